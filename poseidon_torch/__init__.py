@@ -1,0 +1,18 @@
+"""poseidon-torch: the Poseidon communication architecture (USENIX ATC 2017) for PyTorch.
+
+Module map (one per concept of the paper):
+- ``ddp``: ``PoseidonDDP``, the drop-in wrapper for torch DDP;
+- ``wfbp``: the wait-free backprop engine (hooks, dispatch, barrier wait);
+- ``syncer``: layers and their fusion into syncers;
+- ``kvstore``: the sharded parameter-server path;
+- ``barrier``: the BSP counter barrier;
+- ``pools``: sync threads (one process group each) and CUDA streams;
+- ``replicas``: start-up consistency checks and rank-0 broadcasts;
+- ``tracer`` / ``spans``: recording what overlapped with what.
+"""
+from .barrier import SyncError, SyncTimeout
+from .ddp import PoseidonDDP
+from .replicas import ModelMismatchError
+from .wfbp import CommStats
+
+__all__ = ["PoseidonDDP", "SyncError", "SyncTimeout", "ModelMismatchError", "CommStats"]

@@ -1,0 +1,130 @@
+"""``PoseidonDDP``: a drop-in for ``torch.nn.parallel.DistributedDataParallel`` on the Poseidon engine.
+
+After ``torch.distributed.init_process_group``, wrap the model; the user's own loss, ``backward()`` and
+optimizer stay as they are. When ``backward()`` returns, every trainable parameter's ``.grad`` holds the
+average over all ranks (BSP). Invariants:
+- construction checks that all ranks have the same parameters and protocol options, then copies rank 0's
+  parameters and buffers to every rank; with ``broadcast_buffers`` each training forward does it again
+  for buffers (BatchNorm statistics follow rank 0, as in DDP);
+- ``state_dict()`` / ``load_state_dict()`` carry the ``module.`` prefix exactly as DDP's do;
+- inside ``no_sync()`` gradients accumulate locally; the first backward after it syncs the sum.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .barrier import SyncError
+from .replicas import broadcast_from_rank0, check_same_model
+from .syncer import build_syncers
+from .tracer import Recorder, TraceConfig
+from .wfbp import CommStats, WFBPEngine
+
+DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
+DEFAULT_FUSION_BYTES = 256 * 1024
+
+
+class PoseidonDDP(nn.Module):
+    """Wrap ``module`` for data-parallel training with wait-free backprop and a sharded PS.
+
+    Args:
+        module: the model, already on its device (CPU, or one CUDA device per process).
+        chunk_bytes: size of the pieces the gradient space is cut into for the KV store shards.
+        fusion_bytes: adjacent layers smaller than this together are synced as one job.
+        num_channels: sync threads, each with its own process group.
+        timeout: seconds any wait may take before the step fails (dead or stuck peer).
+        broadcast_buffers: copy rank 0's buffers to every rank at each training forward, as DDP does.
+        process_group: the group to train over (default: the world).
+        trace_dir, trace_skip, trace_iters: switch the tracer on (see ``poseidon_torch.tracer``).
+    """
+
+    def __init__(self, module: nn.Module, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES, num_channels: int = 2,
+                 timeout: float = 300.0, broadcast_buffers: bool = True,
+                 process_group: Any = None, trace_dir: str | None = None,
+                 trace_skip: int | None = None, trace_iters: int | None = None) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("PoseidonDDP needs torch.distributed.init_process_group() to be called first")
+        if num_channels < 1 or timeout <= 0 or chunk_bytes <= 0 or fusion_bytes < 0:
+            raise ValueError(f"invalid options: num_channels={num_channels}, timeout={timeout}, "
+                             f"chunk_bytes={chunk_bytes}, fusion_bytes={fusion_bytes}")
+        self.module = module
+        self.broadcast_buffers = broadcast_buffers
+        self._require_sync = True
+        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        self.rank, self.world_size = ranks.index(dist.get_rank()), len(ranks)
+        deadline = timedelta(seconds=timeout)
+        self._control = dist.new_group(ranks, timeout=deadline, backend="gloo")
+        trace = TraceConfig.resolve(trace_dir, trace_skip, trace_iters)
+        options = {"chunk_bytes": chunk_bytes, "fusion_bytes": fusion_bytes, "num_channels": num_channels,
+                   "broadcast_buffers": broadcast_buffers, "trace": trace is not None}
+        check_same_model(module, options, self._control)
+        device = _single_device(module)
+        backend = dist.get_backend(process_group)
+        self._staged = device.type == "cuda" and backend == "gloo"
+        self._data = dist.new_group(ranks, timeout=deadline, backend=backend)
+        broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), self._data, self._staged)
+        channel_groups = [dist.new_group(ranks, timeout=deadline, backend=backend) for _ in range(num_channels)]
+        self.recorder = Recorder(trace, self.rank, self.world_size, self._control)
+        self.syncers = build_syncers(module, fusion_bytes)
+        self._engine = WFBPEngine(self.syncers, channel_groups, self.rank, self.world_size, chunk_bytes,
+                                  timeout, self._staged, self.recorder)
+
+    @property
+    def comm_stats(self) -> CommStats:
+        return self._engine.stats
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        failure = self._engine.barrier.failure
+        if failure is not None:
+            raise SyncError(f"PoseidonDDP cannot continue after a failed sync: {failure}") from failure
+        armed = torch.is_grad_enabled() and self._require_sync
+        self._engine.armed = armed
+        if armed:
+            self.recorder.start_iteration()
+        start = time.monotonic_ns()
+        if self.broadcast_buffers and self.module.training and self.world_size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                broadcast_from_rank0(buffers, self._data, self._staged)
+        output = self.module(*args, **kwargs)
+        if self.recorder.active:
+            self.recorder.add("forward", "forward", "compute", start, time.monotonic_ns())
+            _on_first_grad(output, self._engine.mark_backward_start)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally in this context; the next backward outside it syncs them."""
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def close(self) -> None:
+        """Stop the sync threads (also done when the process exits)."""
+        self._engine.close()
+
+
+def _single_device(module: nn.Module) -> torch.device:
+    devices = {p.device for p in module.parameters()}
+    if len(devices) != 1:
+        raise ValueError(f"PoseidonDDP needs all parameters on one device, found {sorted(map(str, devices))}")
+    return devices.pop()
+
+
+def _on_first_grad(output: Any, callback) -> None:
+    """Call ``callback`` when backward produces the gradient of the first tensor output that needs one."""
+    tensors = output if isinstance(output, (tuple, list)) else [output]
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda grad: callback())
+            return

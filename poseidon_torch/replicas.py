@@ -1,0 +1,71 @@
+"""Replica consistency at start-up and for buffers: every rank trains the same model from rank 0's state.
+
+Invariants:
+- ``check_same_model`` raises the same :class:`ModelMismatchError` on every rank (all ranks see every
+  rank's signature), so a mismatch never leaves one rank waiting in a collective;
+- ``broadcast_from_rank0`` overwrites the given tensors with rank 0's values, one collective per dtype.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class ModelMismatchError(RuntimeError):
+    """Ranks disagree on the model (parameter names, shapes, dtypes) or on PoseidonDDP's options."""
+
+
+def model_signature(module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
+
+
+def check_same_model(module: nn.Module, options: dict, control_group) -> None:
+    world_size = dist.get_world_size(control_group)
+    mine = (model_signature(module), sorted(options.items()))
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=control_group)
+    for rank in range(1, world_size):
+        problem = _first_difference(everyone[0], everyone[rank], rank)
+        if problem:
+            raise ModelMismatchError(f"PoseidonDDP: ranks 0 and {rank} disagree: {problem}")
+
+
+def _first_difference(ref, other, rank: int) -> str | None:
+    (ref_params, ref_opts), (params, opts) = ref, other
+    for i, (a, b) in enumerate(zip(ref_params, params)):
+        if a != b:
+            return (f"parameter #{i} is {a[0]!r} {a[1]} {a[2]} on rank 0 "
+                    f"but {b[0]!r} {b[1]} {b[2]} on rank {rank}")
+    if len(ref_params) != len(params):
+        longer, which = (ref_params, 0) if len(ref_params) > len(params) else (params, rank)
+        extra = longer[min(len(ref_params), len(params))][0]
+        return (f"rank 0 has {len(ref_params)} parameters, rank {rank} has {len(params)} "
+                f"(first extra: {extra!r} on rank {which})")
+    if ref_opts != opts:
+        return f"PoseidonDDP options differ: {dict(ref_opts)} on rank 0 vs {dict(opts)} on rank {rank}"
+    return None
+
+
+def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group, staged: bool) -> None:
+    """Overwrite ``tensors`` with rank 0's values; ``staged`` sends device tensors through host memory."""
+    by_dtype: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for group_tensors in by_dtype.values():
+        _broadcast_coalesced(group_tensors, group, staged)
+
+
+def _broadcast_coalesced(tensors: Sequence[torch.Tensor], group, staged: bool) -> None:
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        wire = flat.cpu() if staged else flat
+        dist.broadcast(wire, src=src, group=group)
+        flat = wire.to(flat.device) if staged else wire
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

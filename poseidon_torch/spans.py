@@ -1,0 +1,36 @@
+"""Timed spans: the unit of record shared by the engine, the tracer and the trace tools.
+
+Invariants:
+- ``start_ns <= end_ns``, both from ``time.monotonic_ns()`` of the recording process, already shifted by
+  that rank's clock offset to rank 0 when written to a trace file.
+- ``kind`` is one of :data:`SPAN_KINDS`; ``lane`` names the row the span is drawn on
+  (``"compute"`` for the training thread, ``"channel-<i>"`` for a sync pool thread, ``"stream-<i>"``
+  for a CUDA copy stream).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: forward: the wrapped module's forward; backward: one layer's share of the backward pass;
+#: iteration: forward start to the end of the BSP barrier; queue: a sync job waiting for its channel;
+#: d2h / h2d: device copies of a sync job; network: bytes on the wire for a sync job;
+#: sync: a whole sync job (args carry ``path`` and ``bytes``).
+SPAN_KINDS = ("forward", "backward", "iteration", "queue", "d2h", "h2d", "network", "sync")
+COMPUTE_KINDS = ("forward", "backward")
+COMM_KINDS = ("network",)
+
+
+@dataclass(frozen=True)
+class Span:
+    kind: str
+    name: str
+    lane: str
+    start_ns: int
+    end_ns: int
+    iteration: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns

@@ -1,0 +1,96 @@
+"""The bundled tracer's recording side: spans of compute and sync, for a window of iterations.
+
+Switched on by ``PoseidonDDP(trace_dir=...)`` or the environment (``POSEIDON_TRACE_DIR``, with
+``POSEIDON_TRACE_SKIP`` and ``POSEIDON_TRACE_ITERS``). It skips the first ``skip`` iterations, records the
+next ``iters``, then writes one Chrome trace per rank and, on rank 0, a merged trace of all ranks.
+Invariants:
+- when tracing is off, ``active`` is always False and the engine records nothing (one attribute read);
+- all spans of a rank come from ``time.monotonic_ns()`` and are shifted by the rank's clock offset to
+  rank 0, measured once at start-up, when written;
+- writing is collective over the control group and happens once, when the window closes.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .spans import Span
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    directory: str
+    skip: int = 5
+    iters: int = 10
+
+    @classmethod
+    def resolve(cls, directory: str | None, skip: int | None, iters: int | None) -> "TraceConfig | None":
+        """Options win over the environment; no directory from either means tracing is off."""
+        directory = directory or os.environ.get("POSEIDON_TRACE_DIR")
+        if not directory:
+            return None
+        skip = skip if skip is not None else int(os.environ.get("POSEIDON_TRACE_SKIP", cls.skip))
+        iters = iters if iters is not None else int(os.environ.get("POSEIDON_TRACE_ITERS", cls.iters))
+        if skip < 0 or iters < 1:
+            raise ValueError(f"trace window needs skip >= 0 and iters >= 1, got skip={skip}, iters={iters}")
+        return cls(directory, skip, iters)
+
+
+class Recorder:
+    def __init__(self, config: TraceConfig | None, rank: int, world_size: int, control_group) -> None:
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.spans: list[Span] = []
+        self.active = False
+        self.written: list[Path] = []
+        self._group = control_group
+        self._iteration = -1
+        self._iteration_start = 0
+        self._clock_offset_ns = self._measure_clock_offset() if config else 0
+
+    def _measure_clock_offset(self) -> int:
+        """Offset of this rank's monotonic clock to rank 0's, taken right after a barrier."""
+        dist.barrier(group=self._group)
+        stamps: list[int] = [0] * self.world_size
+        dist.all_gather_object(stamps, time.monotonic_ns(), group=self._group)
+        return stamps[self.rank] - stamps[0]
+
+    def start_iteration(self) -> None:
+        if self.config is None or self.written:
+            return
+        self._iteration += 1
+        first = self.config.skip
+        self.active = first <= self._iteration < first + self.config.iters
+        self._iteration_start = time.monotonic_ns()
+
+    def add(self, kind: str, name: str, lane: str, start_ns: int, end_ns: int, **args) -> None:
+        self.spans.append(Span(kind, name, lane, start_ns - self._clock_offset_ns,
+                               end_ns - self._clock_offset_ns, self._iteration, args))
+
+    def end_iteration(self) -> None:
+        if not self.active:
+            return
+        self.add("iteration", "iteration", "compute", self._iteration_start, time.monotonic_ns())
+        if self._iteration + 1 == self.config.skip + self.config.iters:
+            self.active = False
+            self._write()
+
+    def _write(self) -> None:
+        from . import tracefile
+
+        out = Path(self.config.directory)
+        out.mkdir(parents=True, exist_ok=True)
+        gathered: list[list[Span]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, self.spans, group=self._group)
+        meta = {"skip": self.config.skip, "iters": self.config.iters}
+        own = out / f"trace_rank{self.rank}.json"
+        tracefile.write_rank_trace(own, self.spans, self.rank, self.world_size, meta)
+        self.written.append(own)
+        if self.rank == 0:
+            merged = out / "trace_merged.json"
+            tracefile.write_merged_trace(merged, gathered, self.world_size, meta)
+            self.written.append(merged)
