@@ -1,0 +1,104 @@
+"""A pool of P long-lived gloo ranks for tests, so hypothesis examples do not each pay process start-up.
+
+``Cluster.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the per-rank
+results. Every wait has a deadline: a rank that raises, dies or overruns fails the call with the rank's
+traceback or exit code, never a hang.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    ok: bool
+    value: object  # the result, or the formatted traceback
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def _serve(rank: int, world_size: int, port: int, jobs, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    while (job := jobs.get()) is not None:
+        fn, args = job
+        try:
+            results.put(RankOutcome(rank, True, fn(rank, world_size, *args)))
+        except BaseException:
+            results.put(RankOutcome(rank, False, traceback.format_exc()))
+
+
+class Cluster:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._jobs = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        port = free_port()
+        self._procs = [ctx.Process(target=_serve, args=(r, world_size, port, self._jobs[r], self._results),
+                                   daemon=True) for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    def run_outcomes(self, fn, *args, timeout: float = 120.0) -> dict[int, RankOutcome]:
+        """Run ``fn`` on every rank; outcomes of the ranks that answered before the deadline or death."""
+        for q in self._jobs:
+            q.put((fn, args))
+        outcomes: dict[int, RankOutcome] = {}
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < self.world_size and time.monotonic() < deadline:
+            try:
+                outcome = self._results.get(timeout=0.2)
+                outcomes[outcome.rank] = outcome
+            except queue.Empty:
+                if self._all_silent_ranks_dead(outcomes):
+                    break
+        return outcomes
+
+    def _all_silent_ranks_dead(self, outcomes) -> bool:
+        silent = [r for r in range(self.world_size) if r not in outcomes]
+        return all(not self._procs[r].is_alive() for r in silent)
+
+    def run(self, fn, *args, timeout: float = 120.0) -> list:
+        outcomes = self.run_outcomes(fn, *args, timeout=timeout)
+        for rank in range(self.world_size):
+            outcome = outcomes.get(rank)
+            if outcome is None:
+                code = self._procs[rank].exitcode
+                raise ClusterError(f"rank {rank} gave no result within {timeout}s (exit code {code})")
+            if not outcome.ok:
+                raise ClusterError(f"rank {rank} raised:\n{outcome.value}")
+        return [outcomes[r].value for r in range(self.world_size)]
+
+    def exit_code(self, rank: int, timeout: float = 10.0) -> int | None:
+        self._procs[rank].join(timeout)
+        return self._procs[rank].exitcode
+
+    def close(self) -> None:
+        for q, p in zip(self._jobs, self._procs):
+            if p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()

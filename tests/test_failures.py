@@ -1,0 +1,39 @@
+"""Bad input and failures end the step with a clear error that names the cause; nothing hangs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import workers
+from poseidon_torch import PoseidonDDP
+
+
+def test_mismatched_models_raise_on_every_rank(cluster):
+    messages = cluster.run(workers.mismatched_models)
+    for message in messages:
+        assert "ranks 0 and 1 disagree" in message
+        assert "body.0.weight" in message and "(8, 6)" in message and "(9, 6)" in message
+
+
+def test_exception_in_sync_job_reaches_training_thread(fresh_cluster):
+    results = fresh_cluster.run(workers.failing_sync_job, "body.2", timeout=60)
+    failed, peer = results
+    assert failed["error_type"] == "SyncError"
+    assert "body.2" in failed["error"] and "injected failure" in failed["error"]
+    assert peer["error_type"] in ("SyncError", "SyncTimeout")
+    assert peer["elapsed"] < 5 + 10, "the peer must fail within its timeout"
+    assert "cannot continue after a failed sync" in failed["next_forward"]
+
+
+def test_dead_peer_ends_the_step_within_timeout(fresh_cluster):
+    outcomes = fresh_cluster.run_outcomes(workers.peer_exits_mid_step, timeout=60)
+    assert 1 not in outcomes and fresh_cluster.exit_code(1) == 3
+    survivor = outcomes[0]
+    assert survivor.ok, survivor.value
+    assert survivor.value["error_type"] in ("SyncError", "SyncTimeout")
+    assert survivor.value["elapsed"] < 10 + 5
+
+
+def test_requires_initialised_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        PoseidonDDP(torch.nn.Linear(2, 2))

@@ -1,0 +1,165 @@
+"""Functions that run on every rank of a test cluster: ``fn(rank, world_size, *args)``."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from models import ModelSpec, batch, build
+from poseidon_torch import PoseidonDDP
+
+OPTIMIZER = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
+def shard(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    return t[rank * size:(rank + 1) * size]
+
+
+def train(rank: int, world_size: int, spec: ModelSpec, wrapper: str, steps: int, size: int,
+          accumulate: int = 1, rank_init: bool = False, options: dict | None = None) -> dict:
+    """Train with torch DDP or PoseidonDDP; returns the final state and per-iteration bytes sent."""
+    model = build(spec, seed=spec.seed + (7919 * rank if rank_init else 0))
+    if wrapper == "poseidon":
+        wrapped = PoseidonDDP(model, timeout=60, **(options or {}))
+    else:
+        wrapped = DDP(model, find_unused_parameters=spec.unused_branch or spec.rank0_branch)
+    opt = torch.optim.SGD(wrapped.parameters(), **OPTIMIZER)
+    sent = []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x, y = batch(spec, step * accumulate + micro, size, world_size)
+            last = micro == accumulate - 1
+            with contextlib.nullcontext() if last else wrapped.no_sync():
+                out = wrapped(shard(x, rank, size), use_side=spec.rank0_branch and rank == 0)
+                F.mse_loss(out, shard(y, rank, size)).backward()
+        opt.step()
+        if wrapper == "poseidon":
+            sent.append(wrapped.comm_stats.bytes_sent_last_iteration)
+    if wrapper == "poseidon":
+        wrapped.close()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "sent": sent}
+
+
+def train_pair(rank: int, world_size: int, spec: ModelSpec, steps: int, size: int, accumulate: int = 1,
+               rank_init: bool = False, options: dict | None = None) -> dict:
+    return {w: train(rank, world_size, spec, w, steps, size, accumulate, rank_init, options)
+            for w in ("poseidon", "ddp")}
+
+
+def train_reference(spec: ModelSpec, steps: int, size: int, world_size: int, accumulate: int = 1) -> dict:
+    """Single-process training on the concatenated batch. With BatchNorm or a rank-0-only branch the
+    ranks' forwards differ, so the loss is the mean of the per-shard losses (the same objective)."""
+    model = build(spec, seed=spec.seed)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], **OPTIMIZER)
+    per_shard = spec.batchnorm or spec.rank0_branch
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x, y = batch(spec, step * accumulate + micro, size, world_size)
+            if per_shard:
+                losses = [F.mse_loss(model(shard(x, r, size), use_side=spec.rank0_branch and r == 0),
+                                     shard(y, r, size)) for r in range(world_size)]
+                loss = sum(losses) / world_size
+            else:
+                loss = F.mse_loss(model(x), y)
+            loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def sync_timing(rank: int, world_size: int, trace_dir: str) -> dict:
+    """One traced iteration of a model whose first layer is heavy; returns when the first layer's
+    gradient was ready (test hook) and the recorded spans."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 64, 7, padding=3), torch.nn.ReLU(), torch.nn.Conv2d(64, 8, 3, padding=1),
+        torch.nn.Flatten(), torch.nn.Linear(8 * 48 * 48, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    wrapped = PoseidonDDP(model, timeout=60, trace_dir=trace_dir, trace_skip=1, trace_iters=1,
+                          fusion_bytes=0)
+    first_ready: list[int] = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: first_ready.append(time.monotonic_ns()))
+    for _ in range(2):
+        x = torch.randn(8, 3, 48, 48)
+        wrapped(x).square().mean().backward()
+    names = [s.name for s in wrapped.syncers]
+    spans = list(wrapped.recorder.spans)
+    offset = wrapped.recorder._clock_offset_ns
+    wrapped.close()
+    return {"first_ready_ns": first_ready[-1] - offset, "spans": spans, "syncers": names}
+
+
+def mismatched_models(rank: int, world_size: int) -> str:
+    """Rank 1 builds a wider hidden layer; construction must fail on every rank."""
+    from poseidon_torch import ModelMismatchError
+
+    model = build(ModelSpec(widths=(8 + (rank == 1),)), seed=0)
+    try:
+        PoseidonDDP(model, timeout=20)
+    except ModelMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def failing_sync_job(rank: int, world_size: int, layer: str) -> dict:
+    """Rank 0's sync job for ``layer`` raises; both ranks must see an error that ends the step."""
+    wrapped = PoseidonDDP(build(ModelSpec(widths=(8, 8)), seed=0), timeout=5, fusion_bytes=0)
+    engine = wrapped._engine
+    original = engine._average
+
+    def broken(syncer, flat, group):
+        if rank == 0 and syncer.name == layer:
+            raise RuntimeError("injected failure")
+        return original(syncer, flat, group)
+
+    engine._average = broken
+    return _time_failing_step(wrapped, ModelSpec(widths=(8, 8)))
+
+
+def peer_exits_mid_step(rank: int, world_size: int) -> dict:
+    """Rank 1 dies after its forward; rank 0's backward must fail within the timeout, not hang."""
+    import os
+
+    spec = ModelSpec(widths=(16, 16))
+    wrapped = PoseidonDDP(build(spec, seed=0), timeout=10)
+    if rank == 1:
+        x, _ = batch(spec, 0, 2, world_size)
+        wrapped(x)
+        os._exit(3)
+    return _time_failing_step(wrapped, spec)
+
+
+def _time_failing_step(wrapped: PoseidonDDP, spec: ModelSpec) -> dict:
+    x, y = batch(spec, 0, 2, 1)
+    start = time.monotonic()
+    try:
+        F.mse_loss(wrapped(x), y).backward()
+        error = None
+    except Exception as exc:  # the test inspects type and message
+        error = exc
+    elapsed = time.monotonic() - start
+    try:
+        wrapped(x)
+        after = "forward ran"
+    except Exception as exc:
+        after = f"{type(exc).__name__}: {exc}"
+    return {"error_type": type(error).__name__ if error else None, "error": str(error), "elapsed": elapsed,
+            "next_forward": after}
+
+
+def bytes_per_iteration(rank: int, world_size: int, chunk_bytes: int) -> dict:
+    from poseidon_torch import kvstore
+
+    spec = ModelSpec(conv_channels=(4,), widths=(64, 32), image=6, batchnorm=True)
+    wrapped = PoseidonDDP(build(spec, seed=0), timeout=60, chunk_bytes=chunk_bytes)
+    x, y = batch(spec, 0, 2, world_size)
+    F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+    engine = wrapped._engine
+    formula = sum(kvstore.bytes_sent_by(rank, chunks, 4, world_size) for chunks in engine._chunks)
+    numels = [s.numel for s in wrapped.syncers]
+    sent = wrapped.comm_stats.bytes_sent_last_iteration
+    wrapped.close()
+    return {"sent": sent, "formula": formula, "numels": numels}
