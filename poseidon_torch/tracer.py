@@ -50,7 +50,7 @@ class Recorder:
         self._group = control_group
         self._iteration = -1
         self._iteration_start = 0
-        self._clock_offset_ns = self._measure_clock_offset() if config else 0
+        self.clock_offset_ns = self._measure_clock_offset() if config else 0
 
     def _measure_clock_offset(self) -> int:
         """Offset of this rank's monotonic clock to rank 0's, taken right after a barrier."""
@@ -68,8 +68,8 @@ class Recorder:
         self._iteration_start = time.monotonic_ns()
 
     def add(self, kind: str, name: str, lane: str, start_ns: int, end_ns: int, **args) -> None:
-        self.spans.append(Span(kind, name, lane, start_ns - self._clock_offset_ns,
-                               end_ns - self._clock_offset_ns, self._iteration, args))
+        self.spans.append(Span(kind, name, lane, start_ns - self.clock_offset_ns,
+                               end_ns - self.clock_offset_ns, self._iteration, args))
 
     def end_iteration(self) -> None:
         if not self.active:

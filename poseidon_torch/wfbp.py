@@ -141,6 +141,7 @@ class WFBPEngine:
             for event in self._done_events:
                 torch.cuda.current_stream().wait_event(event)
         self._update_stats()
+        self.recorder.end_iteration()
 
     def _update_stats(self) -> None:
         total = sum(self._bytes)

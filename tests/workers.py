@@ -87,7 +87,7 @@ def sync_timing(rank: int, world_size: int, trace_dir: str) -> dict:
         wrapped(x).square().mean().backward()
     names = [s.name for s in wrapped.syncers]
     spans = list(wrapped.recorder.spans)
-    offset = wrapped.recorder._clock_offset_ns
+    offset = wrapped.recorder.clock_offset_ns
     wrapped.close()
     return {"first_ready_ns": first_ready[-1] - offset, "spans": spans, "syncers": names}
 
