@@ -1,0 +1,230 @@
+"""Sufficient-factor broadcasting (SFB) for fully connected layers.
+
+Job: for an FC layer ``y = x W^T + b`` (W is M x N) the weight gradient over a batch of K samples is
+``dW = U^T V`` with U (K x M) the output gradients and V (K x N) the inputs, and ``db = U.sum(0)``.
+This module declares which module classes are FC (:func:`register_fc`, :func:`fc_spec`), records each
+rank's factors during forward/backward (:class:`FactorCapture`), all-gathers them
+(:func:`gather_factors`) and rebuilds the exact rank-averaged gradient with one matrix product
+(:func:`rebuild_gradients`).
+
+Invariants:
+- A module is FC only if its exact class is registered: a subclass of ``nn.Linear`` may override
+  ``forward``, so it is not FC until someone registers it.
+- Capture holds no memory beyond what autograd already keeps alive: the input is kept as a detached
+  reference (autograd saves it anyway to compute dW) and only when the weight requires grad; the
+  output gradient is the tensor autograd hands to the layer's backward. Reshaping to (K, N) / (K, M)
+  happens lazily in :meth:`FactorCapture.local_factors`.
+- Factors are released after use: the owner calls :meth:`FactorCapture.clear` once the factors are
+  sent; after ``clear()`` the capture references no tensor.
+- Every leading position of an input with more than two dimensions is a sample (K = product of the
+  leading dimensions); every call of the module in one forward contributes its own samples.
+- Activation checkpointing re-runs forward hooks during backward and is not supported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+#: Size of one entry of the K exchange that precedes the factor all-gather (an int64).
+K_EXCHANGE_BYTES = 8
+
+
+@dataclass(frozen=True)
+class FCSpec:
+    """How to read an FC module: ``y = x W^T + b`` with W (M x N), or ``y = x W + b`` with W (N x M)
+    when ``transposed``. ``bias`` is None when the module (or this instance) has no bias; the input is
+    the positional forward argument ``input_arg``."""
+
+    weight: str = "weight"
+    bias: str | None = "bias"
+    input_arg: int = 0
+    transposed: bool = False
+
+    def weight_of(self, module: nn.Module) -> Tensor:
+        return getattr(module, self.weight)
+
+    def out_features(self, module: nn.Module) -> int:
+        """M, the number of outputs."""
+        shape = self.weight_of(module).shape
+        return shape[1] if self.transposed else shape[0]
+
+    def in_features(self, module: nn.Module) -> int:
+        """N, the number of inputs."""
+        shape = self.weight_of(module).shape
+        return shape[0] if self.transposed else shape[1]
+
+
+_REGISTRY: dict[type[nn.Module], FCSpec] = {}
+
+
+def register_fc(
+    module_type: type[nn.Module],
+    *,
+    weight: str = "weight",
+    bias: str | None = "bias",
+    input_arg: int = 0,
+    transposed: bool = False,
+) -> None:
+    """Declare ``module_type`` (exactly this class, not its subclasses) as a fully connected layer."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"register_fc expects an nn.Module subclass, got {module_type!r}")
+    _REGISTRY[module_type] = FCSpec(weight, bias, input_arg, transposed)
+
+
+def fc_spec(module: nn.Module) -> FCSpec | None:
+    """The FC spec of ``module`` (exact type lookup), or None if it is not a registered FC layer.
+
+    The returned spec has ``bias=None`` when this instance's bias attribute is None
+    (e.g. ``nn.Linear(..., bias=False)``)."""
+    spec = _REGISTRY.get(type(module))
+    if spec is not None and spec.bias is not None and getattr(module, spec.bias, None) is None:
+        return replace(spec, bias=None)
+    return spec
+
+
+register_fc(nn.Linear)
+
+
+@dataclass
+class _Use:
+    """One call of the module: its input and, once backward reached it, its output gradient."""
+
+    input: Tensor
+    grad_output: Tensor | None = None
+
+    def store_grad(self, grad: Tensor) -> None:
+        self.grad_output = grad
+
+
+def _cat_rows(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class FactorCapture:
+    """Records the sufficient factors (output gradients U, inputs V) of one FC module.
+
+    A forward hook keeps the input of every call made with grad enabled whose output requires grad, and
+    registers a hook on that output which stores its gradient when backward reaches it."""
+
+    def __init__(self, module: nn.Module, spec: FCSpec) -> None:
+        self._module = module
+        self._spec = spec
+        self._uses: list[_Use] = []
+        self._handle: RemovableHandle | None = module.register_forward_hook(self._on_forward)
+
+    def _on_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        # output.requires_grad implies grad mode; a frozen weight means autograd keeps no input for dW.
+        if not (isinstance(output, Tensor) and output.requires_grad):
+            return
+        if not self._spec.weight_of(module).requires_grad:
+            return
+        if len(args) <= self._spec.input_arg:
+            raise RuntimeError(
+                f"{type(module).__name__}: FC input is positional argument {self._spec.input_arg}, "
+                f"but forward got {len(args)} positional argument(s)"
+            )
+        x = args[self._spec.input_arg]
+        m, n = self._spec.out_features(module), self._spec.in_features(module)
+        if x.shape[-1] != n or output.shape[-1] != m:
+            raise RuntimeError(
+                f"{type(module).__name__} is registered as FC with M={m}, N={n}, but a call mapped "
+                f"{tuple(x.shape)} to {tuple(output.shape)}"
+            )
+        use = _Use(x.detach())
+        self._uses.append(use)
+        output.register_hook(use.store_grad)
+
+    @property
+    def num_samples(self) -> int:
+        """K recorded in forward, summed over the calls of the module."""
+        n = self._spec.in_features(self._module)
+        return sum(use.input.numel() // n for use in self._uses)
+
+    def local_factors(self) -> tuple[Tensor, Tensor]:
+        """(U, V): U (K x M) the output gradients, V (K x N) the inputs, concatenated over calls in
+        forward order, in their promoted dtype. Raises RuntimeError if backward has not reached a call."""
+        pending = [i for i, use in enumerate(self._uses) if use.grad_output is None]
+        if pending:
+            raise RuntimeError(
+                f"{type(self._module).__name__}: no output gradient yet for call(s) {pending} of "
+                f"{len(self._uses)}; local_factors() must run after backward reached the layer"
+            )
+        m, n = self._spec.out_features(self._module), self._spec.in_features(self._module)
+        if not self._uses:
+            weight = self._spec.weight_of(self._module)
+            return weight.new_empty((0, m)), weight.new_empty((0, n))
+        u = _cat_rows([use.grad_output.reshape(-1, m) for use in self._uses])
+        v = _cat_rows([use.input.reshape(-1, n) for use in self._uses])
+        dtype = torch.promote_types(u.dtype, v.dtype)
+        return u.to(dtype), v.to(dtype)
+
+    def clear(self) -> None:
+        """Drop every recorded input and output gradient."""
+        self._uses = []
+
+    def remove(self) -> None:
+        """Remove the forward hook and drop what was recorded."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.clear()
+
+
+def rebuild_gradients(
+    u_all: Tensor, v_all: Tensor, world_size: int, spec: FCSpec
+) -> tuple[Tensor, Tensor | None]:
+    """The rank-averaged gradient from all ranks' factors: ``grad_W = U^T V / P`` (M x N; its transpose
+    N x M for transposed specs) with one matrix product, and ``grad_b = U.sum(0) / P`` if the spec has
+    a bias, else None."""
+    u_scaled = u_all / world_size
+    grad_w = v_all.t() @ u_scaled if spec.transposed else u_scaled.t() @ v_all
+    grad_b = u_scaled.sum(0) if spec.bias is not None else None
+    return grad_w, grad_b
+
+
+def sfb_bytes_per_rank(k: int, m: int, n: int, world_size: int, element_size: int = 4) -> int:
+    """Bytes one rank sends in :func:`gather_factors`, K being the largest K over the ranks.
+
+    A ring all-gather of P blocks sends P-1 blocks per rank: the payload block is K x (M + N) values
+    (padded to the largest K), and the K exchange before it is one int64 per rank:
+    ``(P - 1) * (K * (M + N) * element_size + 8)``."""
+    return (world_size - 1) * (k * (m + n) * element_size + K_EXCHANGE_BYTES)
+
+
+def gather_factors(
+    u: Tensor, v: Tensor, group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, Tensor, int]:
+    """All-gather every rank's factors (U: K x M, V: K x N; K may differ per rank).
+
+    Two collectives: the K's (one int64 each), then one padded packed tensor K_max x (M + N) per rank.
+    Returns (U_all, V_all, bytes sent by this rank), rows in rank order, padding stripped; the bytes
+    follow :func:`sfb_bytes_per_rank`."""
+    if u.shape[0] != v.shape[0] or u.dtype != v.dtype or u.device != v.device:
+        raise ValueError(
+            f"U and V must have the same rows, dtype and device: {tuple(u.shape)} {u.dtype} {u.device}"
+            f" vs {tuple(v.shape)} {v.dtype} {v.device}"
+        )
+    world_size = dist.get_world_size(group)
+    (k, m), n = u.shape, v.shape[1]
+    counts = _all_gather_counts(k, u.device, world_size, group)
+    k_max = max(counts)
+    packed = u.new_zeros((k_max, m + n))
+    packed[:k, :m] = u
+    packed[:k, m:] = v
+    blocks = [torch.empty_like(packed) for _ in range(world_size)]
+    dist.all_gather(blocks, packed, group=group)
+    u_all = torch.cat([block[:count, :m] for block, count in zip(blocks, counts)])
+    v_all = torch.cat([block[:count, m:] for block, count in zip(blocks, counts)])
+    return u_all, v_all, sfb_bytes_per_rank(k_max, m, n, world_size, packed.element_size())
+
+
+def _all_gather_counts(
+    k: int, device: torch.device, world_size: int, group: dist.ProcessGroup | None
+) -> list[int]:
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(counts, torch.tensor([k], dtype=torch.int64, device=device), group=group)
+    return [int(count.item()) for count in counts]
