@@ -8,11 +8,16 @@ Module map (one per concept of the paper):
 - ``barrier``: the BSP counter barrier;
 - ``pools``: sync threads (one process group each) and CUDA streams;
 - ``replicas``: start-up consistency checks and rank-0 broadcasts;
-- ``tracer`` / ``spans``: recording what overlapped with what.
+- ``sfb``: sufficient-factor broadcast for fully connected layers, and ``register_fc``;
+- ``coordinator``: the per-layer cost model that picks PS or SFB;
+- ``tracer`` / ``spans`` / ``tracefile`` / ``overlap`` / ``trace``: recording and reading traces.
 """
 from .barrier import SyncError, SyncTimeout
+from .coordinator import LinkModel, Plan
 from .ddp import PoseidonDDP
 from .replicas import ModelMismatchError
+from .sfb import register_fc
 from .wfbp import CommStats
 
-__all__ = ["PoseidonDDP", "SyncError", "SyncTimeout", "ModelMismatchError", "CommStats"]
+__all__ = ["PoseidonDDP", "register_fc", "LinkModel", "Plan", "SyncError", "SyncTimeout",
+           "ModelMismatchError", "CommStats"]

@@ -97,11 +97,20 @@ def probe_link(
     latency = _override(latency_us, LATENCY_ENV)
     if bandwidth is not None:
         return LinkModel.from_gbps(bandwidth, latency or 0.0)
-    key = (group if group is not None else dist.group.WORLD, str(torch.device(device)))
+    key = (_group_key(group), str(torch.device(device)))
     if key not in _LINK_CACHE:
         _LINK_CACHE[key] = _measure_link(group, sizes, repeats, torch.device(device))
     model = _LINK_CACHE[key]
     return model if latency is None else replace(model, alpha_s=latency * 1e-6)
+
+
+def _group_key(group: dist.ProcessGroup | None) -> object:
+    """Cache key of a process group: its ranks and backend (the network they share), so groups created
+    again over the same ranks reuse a probe."""
+    if not dist.is_initialized():
+        return None
+    group = group if group is not None else dist.group.WORLD
+    return tuple(dist.get_process_group_ranks(group)), dist.get_backend(group)
 
 
 def _override(value: float | None, env: str) -> float | None:
@@ -165,7 +174,7 @@ def probe_gemm_flops(
     cached per (device, group). When torch.distributed is initialized this is collective: the result is
     the slowest rank's rate over ``group``, so every rank plans with the same number."""
     device = torch.device(device)
-    key = (str(device), group if group is not None else dist.group.WORLD)
+    key = (str(device), _group_key(group))
     if key not in _GEMM_CACHE:
         (_GEMM_CACHE[key],) = _agree([_measure_gemm_flops(device)], dist.ReduceOp.MIN, group, device)
     return _GEMM_CACHE[key]
@@ -254,6 +263,16 @@ class LayerInfo:
             element_size=params[0].element_size(),
         )
 
+    @classmethod
+    def of_syncer(cls, syncer, fc=None) -> LayerInfo:
+        """Describe a syncer (its flat buffer, used flags included); FC-eligible when ``fc`` (its
+        :class:`~poseidon_torch.sfb.SFBLayer`) is given."""
+        layers = syncer.layers
+        kind = type(layers[0].module).__name__ if len(layers) == 1 else f"fused x{len(layers)}"
+        return cls(name=syncer.name, kind=kind, shape=tuple(syncer.params[0].shape), numel=syncer.numel,
+                   fc_eligible=fc is not None, m=fc.m if fc else None, n=fc.n if fc else None,
+                   element_size=syncer.params[0].element_size())
+
     @property
     def sfb_possible(self) -> bool:
         return self.fc_eligible and self.k is not None
@@ -281,6 +300,9 @@ class Plan:
     world_size: int
     link: LinkModel
     gemm_flops: float
+
+    def paths_by_layer(self) -> dict[str, str]:
+        return {plan.layer.name: plan.path for plan in self.layers}
 
     def path_of(self, name: str) -> str:
         """The chosen path of layer ``name``; KeyError if the plan has no such layer."""
@@ -355,15 +377,10 @@ def _check_names(layers: list[LayerInfo], overrides: dict[str, str]) -> None:
     by_name = {layer.name: layer for layer in layers}
     if len(by_name) != len(layers):
         raise ValueError("layer names must be unique")
+    _check_override_targets(layers, overrides)
     for name, path in overrides.items():
-        if name not in by_name:
-            raise ValueError(f"override names unknown layer {name!r}")
-        if path not in PATHS:
-            raise ValueError(f"override for layer {name!r} must be one of {PATHS}, got {path!r}")
-        layer = by_name[name]
-        if path == SFB and not layer.sfb_possible:
-            why = "its K is unknown" if layer.fc_eligible else f"it is not an FC layer ({layer.kind})"
-            raise ValueError(f"cannot force SFB on layer {name!r}: {why}")
+        if path == SFB and not by_name[name].sfb_possible:
+            raise ValueError(f"cannot force SFB on layer {name!r}: its K is unknown")
 
 
 def _plan_layer(
@@ -392,3 +409,63 @@ def _choose(
     if sfb_seconds < ps_seconds:
         return SFB, f"SFB cheaper: {comparison}"
     return PS, f"PS not dearer: {comparison}"
+
+
+class Coordinator:
+    """Chooses every syncer's path for the coming backward, identically on all ranks.
+
+    At each synced forward the ranks all-gather one K per FC syncer (one small collective per
+    iteration for all FC layers together; -1 where that rank accumulated gradients under ``no_sync``,
+    which only the PS path can average). The plan uses the largest K, the one SFB's padded all-gather
+    pays for, and is recomputed only when the K's change (a smaller last batch)."""
+
+    def __init__(self, layers: Sequence[LayerInfo], fc_indices: Sequence[int], world_size: int,
+                 link: LinkModel, gemm_flops: float, overrides: dict[str, str] | None = None) -> None:
+        self._layers = list(layers)
+        self.fc_indices = list(fc_indices)
+        self.world_size, self.link, self.gemm_flops = world_size, link, gemm_flops
+        self.overrides = dict(overrides or {})
+        _check_override_targets(self._layers, self.overrides)
+        self.plan: Plan | None = None
+        self.paths = [PS] * len(self._layers)
+        self.counts: dict[int, list[int]] = {}
+        self._cache: dict[tuple[int, ...], Plan] = {}
+
+    def exchange_bytes(self) -> int:
+        """Bytes this rank sends per iteration in the K exchange (ring all-gather of int64s)."""
+        return (self.world_size - 1) * 8 * len(self.fc_indices)
+
+    def plan_iteration(self, local_k: Sequence[int], group) -> None:
+        """Collective over ``group``: exchange the K's and set ``paths``, ``counts`` and ``plan``."""
+        mine = torch.tensor(list(local_k), dtype=torch.int64)
+        everyone = torch.empty(self.world_size * len(mine), dtype=torch.int64)
+        dist.all_gather_into_tensor(everyone, mine, group=group)
+        per_layer = everyone.view(self.world_size, -1).t().tolist()
+        self.counts = dict(zip(self.fc_indices, per_layer))
+        key = tuple(max(c) if min(c) >= 0 else -1 for c in per_layer)
+        if key not in self._cache:
+            self._cache[key] = self._plan_for(dict(zip(self.fc_indices, key)))
+        self.plan = self._cache[key]
+        self.paths = [p.path for p in self.plan.layers]
+
+    def _plan_for(self, k_max: dict[int, int]) -> Plan:
+        layers, overrides = [], dict(self.overrides)
+        for i, layer in enumerate(self._layers):
+            k = k_max.get(i, -1)
+            layers.append(replace(layer, k=k if k >= 0 else None))
+            if i in k_max and k < 0 and overrides.get(layer.name) == SFB:
+                del overrides[layer.name]  # gradients accumulated under no_sync: PS this time
+        return plan_layers(layers, self.world_size, self.link, self.gemm_flops, overrides)
+
+
+def _check_override_targets(layers: list[LayerInfo], overrides: dict[str, str]) -> None:
+    """Validate overrides before K is known: names, paths, and SFB only on FC layers."""
+    by_name = {layer.name: layer for layer in layers}
+    for name, path in overrides.items():
+        if name not in by_name:
+            raise ValueError(f"override names unknown layer {name!r}; layers: {sorted(by_name)}")
+        if path not in PATHS:
+            raise ValueError(f"override for layer {name!r} must be one of {PATHS}, got {path!r}")
+        if path == SFB and not by_name[name].fc_eligible:
+            raise ValueError(f"cannot force SFB on layer {name!r}: it is not an FC layer "
+                             f"({by_name[name].kind}); see poseidon_torch.register_fc")

@@ -21,7 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .barrier import SyncError
+from .coordinator import Coordinator, LayerInfo, LinkModel, Plan, probe_gemm_flops, probe_link
 from .replicas import broadcast_from_rank0, check_same_model
+from .sfb import SFBLayer, sfb_layers
 from .syncer import build_syncers
 from .tracer import Recorder, TraceConfig
 from .wfbp import CommStats, WFBPEngine
@@ -41,14 +43,21 @@ class PoseidonDDP(nn.Module):
         timeout: seconds any wait may take before the step fails (dead or stuck peer).
         broadcast_buffers: copy rank 0's buffers to every rank at each training forward, as DDP does.
         process_group: the group to train over (default: the world).
+        hybrid: let the coordinator send fully connected layers through SFB where that is cheaper;
+            False sends every layer through the PS path.
+        overrides: force a path per layer, e.g. ``{"classifier.0": "SFB", "fc2": "PS"}``.
+        link: the network's alpha-beta model for the cost model (default: probed at start-up, or
+            ``POSEIDON_BANDWIDTH_GBPS`` / ``POSEIDON_LATENCY_US``).
         trace_dir, trace_skip, trace_iters: switch the tracer on (see ``poseidon_torch.tracer``).
     """
 
     def __init__(self, module: nn.Module, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, num_channels: int = 2,
                  timeout: float = 300.0, broadcast_buffers: bool = True,
-                 process_group: Any = None, trace_dir: str | None = None,
-                 trace_skip: int | None = None, trace_iters: int | None = None) -> None:
+                 process_group: Any = None, hybrid: bool = True,
+                 overrides: dict[str, str] | None = None, link: LinkModel | None = None,
+                 trace_dir: str | None = None, trace_skip: int | None = None,
+                 trace_iters: int | None = None) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("PoseidonDDP needs torch.distributed.init_process_group() to be called first")
@@ -63,8 +72,11 @@ class PoseidonDDP(nn.Module):
         deadline = timedelta(seconds=timeout)
         self._control = dist.new_group(ranks, timeout=deadline, backend="gloo")
         trace = TraceConfig.resolve(trace_dir, trace_skip, trace_iters)
+        if overrides and not hybrid:
+            raise ValueError("per-layer path overrides need hybrid=True")
         options = {"chunk_bytes": chunk_bytes, "fusion_bytes": fusion_bytes, "num_channels": num_channels,
-                   "broadcast_buffers": broadcast_buffers, "trace": trace is not None}
+                   "broadcast_buffers": broadcast_buffers, "trace": trace is not None, "hybrid": hybrid,
+                   "overrides": sorted((overrides or {}).items()), "link": link}
         check_same_model(module, options, self._control)
         device = _single_device(module)
         backend = dist.get_backend(process_group)
@@ -74,8 +86,27 @@ class PoseidonDDP(nn.Module):
         channel_groups = [dist.new_group(ranks, timeout=deadline, backend=backend) for _ in range(num_channels)]
         self.recorder = Recorder(trace, self.rank, self.world_size, self._control)
         self.syncers = build_syncers(module, fusion_bytes)
+        fc_layers = sfb_layers(self.syncers, module) if hybrid and self.world_size > 1 else {}
+        coordinator = self._coordinator(fc_layers, overrides, link, device) if fc_layers else None
+        if overrides and coordinator is None:
+            raise ValueError(f"overrides {overrides} given, but no layer can take the SFB path")
         self._engine = WFBPEngine(self.syncers, channel_groups, self.rank, self.world_size, chunk_bytes,
-                                  timeout, self._staged, self.recorder)
+                                  timeout, self._staged, self.recorder, fc_layers, coordinator)
+
+    def _coordinator(self, fc_layers: dict[int, SFBLayer], overrides: dict[str, str] | None,
+                     link: LinkModel | None, device: torch.device) -> Coordinator:
+        wire_device = "cpu" if self._staged else device
+        link = link or probe_link(self._data, device=wire_device)
+        gemm = probe_gemm_flops(device, self._data)
+        layers = [LayerInfo.of_syncer(s, fc_layers.get(s.index)) for s in self.syncers]
+        return Coordinator(layers, sorted(fc_layers), self.world_size, link, gemm, overrides)
+
+    @property
+    def plan(self) -> Plan | None:
+        """Per layer: type, shape, K, chosen path, predicted bytes and time of each path (``print`` it).
+        None until the first forward, or when no layer can take the SFB path."""
+        coordinator = self._engine.coordinator
+        return coordinator.plan if coordinator is not None else None
 
     @property
     def comm_stats(self) -> CommStats:
@@ -86,7 +117,7 @@ class PoseidonDDP(nn.Module):
         if failure is not None:
             raise SyncError(f"PoseidonDDP cannot continue after a failed sync: {failure}") from failure
         armed = torch.is_grad_enabled() and self._require_sync
-        self._engine.armed = armed
+        self._engine.begin_forward(armed)
         if armed:
             self.recorder.start_iteration()
         start = time.monotonic_ns()
@@ -95,6 +126,8 @@ class PoseidonDDP(nn.Module):
             if buffers:
                 broadcast_from_rank0(buffers, self._data, self._staged)
         output = self.module(*args, **kwargs)
+        if armed:
+            self._engine.plan_iteration(self._control)
         if self.recorder.active:
             self.recorder.add("forward", "forward", "compute", start, time.monotonic_ns())
             _on_first_grad(output, self._engine.mark_backward_start)

@@ -29,10 +29,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-#: Size of one entry of the K exchange that precedes the factor all-gather (an int64).
-K_EXCHANGE_BYTES = 8
-
-
 @dataclass(frozen=True)
 class FCSpec:
     """How to read an FC module: ``y = x W^T + b`` with W (M x N), or ``y = x W + b`` with W (N x M)
@@ -114,11 +110,12 @@ class FactorCapture:
         self._module = module
         self._spec = spec
         self._uses: list[_Use] = []
+        self.enabled = True  #: off while gradients only accumulate locally (no_sync)
         self._handle: RemovableHandle | None = module.register_forward_hook(self._on_forward)
 
     def _on_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         # output.requires_grad implies grad mode; a frozen weight means autograd keeps no input for dW.
-        if not (isinstance(output, Tensor) and output.requires_grad):
+        if not self.enabled or not (isinstance(output, Tensor) and output.requires_grad):
             return
         if not self._spec.weight_of(module).requires_grad:
             return
@@ -146,19 +143,15 @@ class FactorCapture:
 
     def local_factors(self) -> tuple[Tensor, Tensor]:
         """(U, V): U (K x M) the output gradients, V (K x N) the inputs, concatenated over calls in
-        forward order, in their promoted dtype. Raises RuntimeError if backward has not reached a call."""
-        pending = [i for i, use in enumerate(self._uses) if use.grad_output is None]
-        if pending:
-            raise RuntimeError(
-                f"{type(self._module).__name__}: no output gradient yet for call(s) {pending} of "
-                f"{len(self._uses)}; local_factors() must run after backward reached the layer"
-            )
+        forward order, in their promoted dtype. A call whose output got no gradient (not part of the
+        loss) contributed nothing to dW and is left out. Call it once backward is past the layer."""
         m, n = self._spec.out_features(self._module), self._spec.in_features(self._module)
-        if not self._uses:
+        reached = [use for use in self._uses if use.grad_output is not None]
+        if not reached:
             weight = self._spec.weight_of(self._module)
             return weight.new_empty((0, m)), weight.new_empty((0, n))
-        u = _cat_rows([use.grad_output.reshape(-1, m) for use in self._uses])
-        v = _cat_rows([use.input.reshape(-1, n) for use in self._uses])
+        u = _cat_rows([use.grad_output.reshape(-1, m) for use in reached])
+        v = _cat_rows([use.input.reshape(-1, n) for use in reached])
         dtype = torch.promote_types(u.dtype, v.dtype)
         return u.to(dtype), v.to(dtype)
 
@@ -189,18 +182,17 @@ def rebuild_gradients(
 def sfb_bytes_per_rank(k: int, m: int, n: int, world_size: int, element_size: int = 4) -> int:
     """Bytes one rank sends in :func:`gather_factors`, K being the largest K over the ranks.
 
-    A ring all-gather of P blocks sends P-1 blocks per rank: the payload block is K x (M + N) values
-    (padded to the largest K), and the K exchange before it is one int64 per rank:
-    ``(P - 1) * (K * (M + N) * element_size + 8)``."""
-    return (world_size - 1) * (k * (m + n) * element_size + K_EXCHANGE_BYTES)
+    A ring all-gather of P blocks sends P-1 blocks per rank; a block is K x (M + N) values, padded to
+    the largest K: ``(P - 1) * K * (M + N) * element_size``. (The K's themselves travel once per
+    iteration for all FC layers together, in the coordinator's exchange.)"""
+    return (world_size - 1) * k * (m + n) * element_size
 
 
 def gather_factors(
-    u: Tensor, v: Tensor, group: dist.ProcessGroup | None = None
+    u: Tensor, v: Tensor, counts: list[int], group: dist.ProcessGroup | None = None
 ) -> tuple[Tensor, Tensor, int]:
-    """All-gather every rank's factors (U: K x M, V: K x N; K may differ per rank).
-
-    Two collectives: the K's (one int64 each), then one padded packed tensor K_max x (M + N) per rank.
+    """All-gather every rank's factors (U: K x M, V: K x N; rank r has ``counts[r]`` rows, known to
+    every rank beforehand) as one padded packed tensor K_max x (M + N) per rank, in one collective.
     Returns (U_all, V_all, bytes sent by this rank), rows in rank order, padding stripped; the bytes
     follow :func:`sfb_bytes_per_rank`."""
     if u.shape[0] != v.shape[0] or u.dtype != v.dtype or u.device != v.device:
@@ -210,7 +202,8 @@ def gather_factors(
         )
     world_size = dist.get_world_size(group)
     (k, m), n = u.shape, v.shape[1]
-    counts = _all_gather_counts(k, u.device, world_size, group)
+    if counts[dist.get_rank(group)] != k:
+        raise ValueError(f"this rank has {k} factor rows but announced {counts[dist.get_rank(group)]}")
     k_max = max(counts)
     packed = u.new_zeros((k_max, m + n))
     packed[:k, :m] = u
@@ -222,9 +215,104 @@ def gather_factors(
     return u_all, v_all, sfb_bytes_per_rank(k_max, m, n, world_size, packed.element_size())
 
 
-def _all_gather_counts(
-    k: int, device: torch.device, world_size: int, group: dist.ProcessGroup | None
-) -> list[int]:
-    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
-    dist.all_gather(counts, torch.tensor([k], dtype=torch.int64, device=device), group=group)
-    return [int(count.item()) for count in counts]
+
+class SFBLayer:
+    """The SFB path of one FC syncer: its factor capture and the sync job that replaces ``.grad`` by
+    the rank average rebuilt from everyone's factors.
+
+    ``.grad`` may already hold a value when backward accumulates into it (no ``zero_grad`` between
+    iterations, or ``zero_grad(set_to_none=False)``); that value is the same on every rank, since it was
+    synced. A gradient hook then keeps this backward's local contribution so the job can produce
+    ``old + average(new)`` exactly as an all-reduce of the whole ``.grad`` would. Gradients accumulated
+    under ``no_sync`` are NOT the same on every rank: the engine sends such a layer through the PS path.
+    """
+
+    def __init__(self, module: nn.Module, spec: FCSpec, params: list[nn.Parameter]) -> None:
+        self.module, self.spec = module, spec
+        self.capture = FactorCapture(module, spec)
+        self.targets = [(p, role) for p, role in ((spec.weight_of(module), "weight"),
+                                                  (_bias_of(module, spec), "bias"))
+                        if p is not None and any(p is q for q in params)]
+        self._fresh: dict[str, Tensor] = {}  # this backward's local gradient, where .grad held a value
+        self._fired: set[str] = set()  # roles that received a gradient in this backward
+        self._hooks = [p.register_hook(self._keeper(p, role)) for p, role in self.targets]
+
+    @property
+    def m(self) -> int:
+        return self.spec.out_features(self.module)
+
+    @property
+    def n(self) -> int:
+        return self.spec.in_features(self.module)
+
+    def _keeper(self, param: nn.Parameter, role: str):
+        def keep_if_accumulating(grad: Tensor) -> None:
+            if not self.capture.enabled:
+                return
+            self._fired.add(role)
+            if param.grad is not None:
+                self._fresh[role] = grad
+        return keep_if_accumulating
+
+    def discard(self) -> None:
+        """This iteration goes through the PS path: drop the factors."""
+        self.capture.clear()
+        self._fresh.clear()
+        self._fired.clear()
+
+    def sync(self, counts: list[int], world_size: int, group, staged: bool) -> int:
+        """Average the layer's gradient over the ranks from their factors; returns bytes sent."""
+        u, v = self.capture.local_factors()
+        self.capture.clear()
+        if staged:
+            u, v = u.cpu(), v.cpu()
+        u_all, v_all, sent = gather_factors(u, v, counts, group)
+        if sum(counts) > 0:  # else no rank used the layer: its gradients stay untouched, as in DDP
+            grad_w, grad_b = rebuild_gradients(u_all, v_all, world_size, self.spec)
+            averages = {"weight": grad_w, "bias": grad_b}
+            for param, role in self.targets:
+                self._write(param, averages[role].to(param.device), role)
+        self.discard()
+        return sent
+
+    def _write(self, param: nn.Parameter, average: Tensor, role: str) -> None:
+        fresh = self._fresh.get(role)
+        if fresh is not None:  # .grad = old + fresh: keep old, replace the local part by the average
+            param.grad.sub_(fresh).add_(average)
+        elif param.grad is None:
+            param.grad = average.contiguous()
+        elif role in self._fired:  # .grad is this backward's local gradient only
+            param.grad.copy_(average)
+        else:  # unused on this rank: .grad is the old, already synced value
+            param.grad.add_(average)
+
+    def remove(self) -> None:
+        self.capture.remove()
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _bias_of(module: nn.Module, spec: FCSpec) -> Tensor | None:
+    return getattr(module, spec.bias) if spec.bias is not None else None
+
+
+def sfb_layers(syncers: list, model: nn.Module) -> dict[int, SFBLayer]:
+    """The syncers that can take the SFB path, by syncer index: a syncer of exactly one registered FC
+    module whose trainable weight (and bias) are all its parameters, and no other module shares them
+    (a weight tied to another module gets gradient the factors do not see)."""
+    owners: dict[int, set[int]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(module))
+    eligible = {}
+    for syncer in syncers:
+        if len(syncer.layers) != 1:
+            continue
+        module = syncer.layers[0].module
+        spec = fc_spec(module)
+        if spec is None or not spec.weight_of(module).requires_grad:
+            continue
+        own = {id(spec.weight_of(module)), id(_bias_of(module, spec))}
+        if all(id(p) in own and len(owners[id(p)]) == 1 for p in syncer.params):
+            eligible[syncer.index] = SFBLayer(module, spec, syncer.params)
+    return eligible

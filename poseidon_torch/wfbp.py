@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +25,9 @@ from torch import nn
 
 from . import kvstore
 from .barrier import BSPBarrier
+from .coordinator import PS, SFB, Coordinator
 from .pools import StreamPool, SyncChannel, assign_round_robin
+from .sfb import SFBLayer
 from .syncer import Syncer
 from .tracer import Recorder
 
@@ -37,17 +39,18 @@ class CommStats:
     bytes_sent_total: int = 0
     iterations: int = 0
     bytes_by_syncer: dict[str, int] = field(default_factory=dict)
-
-
-#: A sync path averages one syncer's flat buffer over all ranks in place and returns the bytes it sent.
-SyncPath = Callable[[Syncer, torch.Tensor, object], int]
+    bytes_by_path: dict[str, int] = field(default_factory=dict)  #: last iteration; "plan" = K exchange
 
 
 class WFBPEngine:
     def __init__(self, syncers: Sequence[Syncer], channel_groups: Sequence[object], rank: int,
                  world_size: int, chunk_bytes: int, timeout: float, staged: bool,
-                 recorder: Recorder) -> None:
+                 recorder: Recorder, fc_layers: dict[int, SFBLayer] | None = None,
+                 coordinator: Coordinator | None = None) -> None:
         self.syncers = list(syncers)
+        self.fc_layers = dict(fc_layers or {})
+        self.coordinator = coordinator
+        self._accumulated: set[int] = set()  # syncers whose .grad accumulated under no_sync
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.recorder = recorder
         self.stats = CommStats()
@@ -93,14 +96,32 @@ class WFBPEngine:
 
     # ---- training thread / autograd side -------------------------------------------------------
 
+    def begin_forward(self, armed: bool) -> None:
+        """A forward starts; ``armed``: its backward syncs (grad mode on and not inside no_sync)."""
+        self.armed = armed
+        for fc in self.fc_layers.values():
+            fc.capture.enabled = armed
+
+    def plan_iteration(self, control_group) -> None:
+        """After an armed forward: agree with all ranks on each syncer's path for the coming backward."""
+        if self.coordinator is None:
+            return
+        local_k = [-1 if i in self._accumulated else self.fc_layers[i].capture.num_samples
+                   for i in self.coordinator.fc_indices]
+        self.coordinator.plan_iteration(local_k, control_group)
+
+    def _path_of(self, s_idx: int) -> str:
+        return self.coordinator.paths[s_idx] if self.coordinator is not None else PS
+
     def mark_backward_start(self) -> None:
         """Tracing only: the gradient of the model output exists, so backward compute has begun."""
         self._last_ready_ns = time.monotonic_ns()
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self.armed:
-            return
         s_idx, p_idx = self._where[id(param)]
+        if not self.armed:
+            self._accumulated.add(s_idx)
+            return
         with self._lock:
             if not self._callback_queued:
                 self._callback_queued = True
@@ -137,6 +158,7 @@ class WFBPEngine:
         finally:
             self._reset_iteration()
         self.barrier.reset()
+        self._accumulated.clear()
         if self._cuda:
             for event in self._done_events:
                 torch.cuda.current_stream().wait_event(event)
@@ -144,11 +166,17 @@ class WFBPEngine:
         self.recorder.end_iteration()
 
     def _update_stats(self) -> None:
-        total = sum(self._bytes)
+        by_path = {PS: 0, SFB: 0, "plan": 0}
+        for s_idx, sent in enumerate(self._bytes):
+            by_path[self._path_of(s_idx)] += sent
+        if self.coordinator is not None:
+            by_path["plan"] = self.coordinator.exchange_bytes()
+        total = sum(by_path.values())
         self.stats.bytes_sent_last_iteration = total
         self.stats.bytes_sent_total += total
         self.stats.iterations += 1
         self.stats.bytes_by_syncer = {s.name: b for s, b in zip(self.syncers, self._bytes)}
+        self.stats.bytes_by_path = by_path
 
     # ---- pool thread side ------------------------------------------------------------------------
 
@@ -157,19 +185,33 @@ class WFBPEngine:
         channel = self._channel_of[s_idx]
         lane = f"channel-{channel.index}"
         start_ns = time.monotonic_ns()
-        with self._device_stream(channel.index, s_idx) as stream:
-            syncer.gather_grads(flat, self._used[s_idx])
-            if stream is not None and self._staged:
-                stream.synchronize()  # the host buffer must hold the gradients before gloo reads it
-            net_start = time.monotonic_ns()
-            sent = self._average(syncer, flat, group)
-            net_end = time.monotonic_ns()
-            syncer.scatter_grads(flat)
+        path = self._path_of(s_idx)
+        with torch.profiler.record_function(f"poseidon.sync.{path}.{syncer.name}"), \
+                self._device_stream(channel.index, s_idx) as stream:
+            if path == SFB:
+                net_start = time.monotonic_ns()
+                sent = self.fc_layers[s_idx].sync(self.coordinator.counts[s_idx], self.world_size, group,
+                                                  self._staged)
+                net_end = time.monotonic_ns()
+            else:
+                net_start, net_end, sent = self._sync_ps(syncer, flat, group, stream)
             if stream is not None:
                 self._done_events[s_idx].record(stream)
         self._bytes[s_idx] = sent
-        self._record_job(syncer.name, lane, ready_ns, start_ns, net_start, net_end, sent)
+        self._record_job(syncer.name, lane, ready_ns, start_ns, net_start, net_end, sent, path)
         self.barrier.arrive(s_idx)
+
+    def _sync_ps(self, syncer: Syncer, flat: torch.Tensor, group: object, stream) -> tuple[int, int, int]:
+        if syncer.index in self.fc_layers:
+            self.fc_layers[syncer.index].discard()
+        syncer.gather_grads(flat, self._used[syncer.index])
+        if stream is not None and self._staged:
+            stream.synchronize()  # the host buffer must hold the gradients before gloo reads it
+        net_start = time.monotonic_ns()
+        sent = self._average(syncer, flat, group)
+        net_end = time.monotonic_ns()
+        syncer.scatter_grads(flat)
+        return net_start, net_end, sent
 
     def _average(self, syncer: Syncer, flat: torch.Tensor, group: object) -> int:
         if self.world_size == 1:
@@ -187,11 +229,11 @@ class WFBPEngine:
             yield stream
 
     def _record_job(self, name: str, lane: str, ready_ns: int, start_ns: int, net_start: int,
-                    net_end: int, sent: int) -> None:
+                    net_end: int, sent: int, path_name: str) -> None:
         rec = self.recorder
         if not rec.active:
             return
-        path = {"path": "PS", "bytes": sent}
+        path = {"path": path_name, "bytes": sent}
         rec.add("queue", name, lane, ready_ns, start_ns)
         rec.add("network", name, lane, net_start, net_end, **path)
         rec.add("sync", name, lane, start_ns, time.monotonic_ns(), **path)
@@ -199,5 +241,7 @@ class WFBPEngine:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        for fc in self.fc_layers.values():
+            fc.remove()
         for channel in self.channels:
             channel.stop()

@@ -8,6 +8,23 @@ import torch
 from hypothesis import strategies as st
 from torch import nn
 
+from poseidon_torch import register_fc
+
+
+class TransposedFC(nn.Module):
+    """A third-party style FC layer: weight stored as (in, out), y = x @ W + b."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(in_features, out_features) / in_features ** 0.5)
+        self.b = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w + self.b
+
+
+register_fc(TransposedFC, weight="w", bias="b", transposed=True)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -23,6 +40,8 @@ class ModelSpec:
     frozen_first: bool = False  # first layer's parameters do not require grad
     unused_branch: bool = False  # a layer no rank ever uses
     rank0_branch: bool = False   # a layer only rank 0 uses
+    seq: int = 0                 # > 0: inputs (batch, seq, in_features), every position a sample
+    custom_head: bool = False    # the head is a registered TransposedFC
     seed: int = 0
 
     @property
@@ -32,7 +51,10 @@ class ModelSpec:
     def input_shape(self, batch: int) -> tuple[int, ...]:
         if self.has_conv:
             return (batch, 3, self.image, self.image)
-        return (batch, self.in_features)
+        return (batch, self.seq, self.in_features) if self.seq else (batch, self.in_features)
+
+    def target_shape(self, batch: int) -> tuple[int, ...]:
+        return (batch, self.seq, self.out_features) if self.seq else (batch, self.out_features)
 
 
 class Net(nn.Module):
@@ -54,13 +76,15 @@ class Net(nn.Module):
         self.tied = nn.Linear(width, width, bias=spec.bias) if spec.tied else None
         self.rank0_side = nn.Linear(width, width) if spec.rank0_branch else None
         self.unused = nn.Linear(4, 4) if spec.unused_branch else None
-        self.head = nn.Linear(width, spec.out_features, bias=spec.bias)
+        head = TransposedFC if spec.custom_head else nn.Linear
+        self.head = head(width, spec.out_features) if spec.custom_head else head(width, spec.out_features,
+                                                                                 bias=spec.bias)
         if spec.frozen_first:
             first = next(m for m in self.modules() if isinstance(m, (nn.Linear, nn.Conv2d)))
             first.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, use_side: bool = False) -> torch.Tensor:
-        h = self.body(self.features(x).flatten(1))
+        h = self.body(self.features(x).flatten(1) if self.features else x)
         if self.tied is not None:
             h = torch.tanh(self.tied(torch.tanh(self.tied(h))))
         if use_side and self.rank0_side is not None:
@@ -77,8 +101,23 @@ def batch(spec: ModelSpec, step: int, size: int, world_size: int) -> tuple[torch
     """The global batch of a step (same on every rank); rank r trains on rows r*size..(r+1)*size."""
     g = torch.Generator().manual_seed(1000 * spec.seed + step)
     x = torch.randn(spec.input_shape(size * world_size), generator=g)
-    y = torch.randn(size * world_size, spec.out_features, generator=g)
+    y = torch.randn(spec.target_shape(size * world_size), generator=g)
     return x, y
+
+
+@st.composite
+def fc_specs(draw) -> ModelSpec:
+    """MLPs (2-D or 3-D inputs, maybe a custom FC head) for the SFB path."""
+    return ModelSpec(
+        in_features=draw(st.integers(1, 24)),
+        widths=tuple(draw(st.lists(st.integers(1, 48), min_size=1, max_size=3))),
+        out_features=draw(st.integers(1, 6)),
+        bias=draw(st.booleans()),
+        seq=draw(st.sampled_from([0, 0, 3])),
+        custom_head=draw(st.booleans()),
+        tied=draw(st.booleans()),
+        seed=draw(st.integers(0, 10_000)),
+    )
 
 
 @st.composite

@@ -71,8 +71,8 @@ def test_choice_flips_with_machines_at_closed_form():
 def test_our_traffic_formulas():
     assert ps_bytes_per_rank(4096 * 4096 * 4, 8) == 2 * 7 / 8 * 4096 * 4096 * 4
     assert ps_bytes_per_rank(1000, 1) == 0
-    assert sfb_bytes_per_rank(32, 4096, 4096, 8) == 7 * 32 * 8192 * 4 + 7 * 8
-    assert sfb_bytes_per_rank(32, 4096, 4096, 8, element_size=2) == 7 * 32 * 8192 * 2 + 7 * 8
+    assert sfb_bytes_per_rank(32, 4096, 4096, 8) == 7 * 32 * 8192 * 4
+    assert sfb_bytes_per_rank(32, 4096, 4096, 8, element_size=2) == 7 * 32 * 8192 * 2
     assert sfb_bytes_per_rank(32, 4096, 4096, 1) == 0
 
 

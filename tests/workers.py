@@ -18,46 +18,71 @@ def shard(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return t[rank * size:(rank + 1) * size]
 
 
+def fc_overrides(model: torch.nn.Module, path: str) -> dict[str, str]:
+    """Force ``path`` on every FC module (each its own syncer when fusion_bytes=0)."""
+    from poseidon_torch.sfb import fc_spec
+
+    return {name: path for name, m in model.named_modules() if fc_spec(m) is not None
+            and any(p.requires_grad for p in m.parameters(recurse=False))}
+
+
+def poseidon_options(model: torch.nn.Module, options: dict | None) -> dict:
+    options = dict(options or {})
+    force = options.pop("force", None)
+    if force:
+        options.update(fusion_bytes=0, overrides=fc_overrides(model, force))
+    return options
+
+
 def train(rank: int, world_size: int, spec: ModelSpec, wrapper: str, steps: int, size: int,
-          accumulate: int = 1, rank_init: bool = False, options: dict | None = None) -> dict:
-    """Train with torch DDP or PoseidonDDP; returns the final state and per-iteration bytes sent."""
+          accumulate: int = 1, rank_init: bool = False, options: dict | None = None,
+          zero_grad: str = "before") -> dict:
+    """Train with torch DDP or PoseidonDDP; returns the final state and per-iteration bytes sent.
+    ``zero_grad``: "before" the forward, "after" the forward, or "never" (gradients keep summing)."""
     model = build(spec, seed=spec.seed + (7919 * rank if rank_init else 0))
     if wrapper == "poseidon":
-        wrapped = PoseidonDDP(model, timeout=60, **(options or {}))
+        wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, options))
     else:
         wrapped = DDP(model, find_unused_parameters=spec.unused_branch or spec.rank0_branch)
     opt = torch.optim.SGD(wrapped.parameters(), **OPTIMIZER)
-    sent = []
+    sent, paths = [], []
     for step in range(steps):
-        opt.zero_grad()
+        if zero_grad == "before":
+            opt.zero_grad()
         for micro in range(accumulate):
             x, y = batch(spec, step * accumulate + micro, size, world_size)
             last = micro == accumulate - 1
             with contextlib.nullcontext() if last else wrapped.no_sync():
                 out = wrapped(shard(x, rank, size), use_side=spec.rank0_branch and rank == 0)
+                if zero_grad == "after" and micro == 0:
+                    opt.zero_grad()
                 F.mse_loss(out, shard(y, rank, size)).backward()
         opt.step()
         if wrapper == "poseidon":
-            sent.append(wrapped.comm_stats.bytes_sent_last_iteration)
+            sent.append(dict(wrapped.comm_stats.bytes_by_path))
+            paths.append(wrapped.plan.paths_by_layer() if wrapped.plan else {})
     if wrapper == "poseidon":
         wrapped.close()
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "sent": sent}
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "sent": sent,
+            "paths": paths}
 
 
 def train_pair(rank: int, world_size: int, spec: ModelSpec, steps: int, size: int, accumulate: int = 1,
-               rank_init: bool = False, options: dict | None = None) -> dict:
-    return {w: train(rank, world_size, spec, w, steps, size, accumulate, rank_init, options)
+               rank_init: bool = False, options: dict | None = None, zero_grad: str = "before") -> dict:
+    return {w: train(rank, world_size, spec, w, steps, size, accumulate, rank_init, options, zero_grad)
             for w in ("poseidon", "ddp")}
 
 
-def train_reference(spec: ModelSpec, steps: int, size: int, world_size: int, accumulate: int = 1) -> dict:
+def train_reference(spec: ModelSpec, steps: int, size: int, world_size: int, accumulate: int = 1,
+                    zero_grad: str = "before") -> dict:
     """Single-process training on the concatenated batch. With BatchNorm or a rank-0-only branch the
     ranks' forwards differ, so the loss is the mean of the per-shard losses (the same objective)."""
     model = build(spec, seed=spec.seed)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], **OPTIMIZER)
     per_shard = spec.batchnorm or spec.rank0_branch
     for step in range(steps):
-        opt.zero_grad()
+        if zero_grad != "never":
+            opt.zero_grad()
         for micro in range(accumulate):
             x, y = batch(spec, step * accumulate + micro, size, world_size)
             if per_shard:
@@ -104,19 +129,24 @@ def mismatched_models(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def failing_sync_job(rank: int, world_size: int, layer: str) -> dict:
-    """Rank 0's sync job for ``layer`` raises; both ranks must see an error that ends the step."""
-    wrapped = PoseidonDDP(build(ModelSpec(widths=(8, 8)), seed=0), timeout=5, fusion_bytes=0)
+def failing_sync_job(rank: int, world_size: int, layer: str, path: str) -> dict:
+    """Rank 0's sync job for ``layer`` on ``path`` raises; both ranks must see an error ending the step."""
+    spec = ModelSpec(widths=(8, 8))
+    options = {"hybrid": False} if path == "PS" else {"overrides": {layer: "SFB"}}
+    wrapped = PoseidonDDP(build(spec, seed=0), timeout=5, fusion_bytes=0, **options)
     engine = wrapped._engine
-    original = engine._average
+    if rank == 0:
+        index = next(s.index for s in wrapped.syncers if s.name == layer)
+        owner, attr = (engine, "_average") if path == "PS" else (engine.fc_layers[index], "sync")
+        original = getattr(owner, attr)
 
-    def broken(syncer, flat, group):
-        if rank == 0 and syncer.name == layer:
-            raise RuntimeError("injected failure")
-        return original(syncer, flat, group)
+        def broken(*args):
+            if path == "SFB" or args[0].name == layer:
+                raise RuntimeError("injected failure")
+            return original(*args)
 
-    engine._average = broken
-    return _time_failing_step(wrapped, ModelSpec(widths=(8, 8)))
+        setattr(owner, attr, broken)
+    return _time_failing_step(wrapped, spec)
 
 
 def peer_exits_mid_step(rank: int, world_size: int) -> dict:
@@ -154,7 +184,7 @@ def bytes_per_iteration(rank: int, world_size: int, chunk_bytes: int) -> dict:
     from poseidon_torch import kvstore
 
     spec = ModelSpec(conv_channels=(4,), widths=(64, 32), image=6, batchnorm=True)
-    wrapped = PoseidonDDP(build(spec, seed=0), timeout=60, chunk_bytes=chunk_bytes)
+    wrapped = PoseidonDDP(build(spec, seed=0), timeout=60, chunk_bytes=chunk_bytes, hybrid=False)
     x, y = batch(spec, 0, 2, world_size)
     F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
     engine = wrapped._engine
@@ -163,3 +193,37 @@ def bytes_per_iteration(rank: int, world_size: int, chunk_bytes: int) -> dict:
     sent = wrapped.comm_stats.bytes_sent_last_iteration
     wrapped.close()
     return {"sent": sent, "formula": formula, "numels": numels}
+
+
+def sfb_bytes(rank: int, world_size: int, sizes: tuple[int, ...]) -> dict:
+    """One iteration with every FC layer forced to SFB; rank r trains on sizes[r] samples."""
+    from poseidon_torch.sfb import sfb_bytes_per_rank
+
+    spec = ModelSpec(in_features=20, widths=(30,), out_features=5)
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, {"force": "SFB"}))
+    x, y = batch(spec, 0, max(sizes), world_size)
+    F.mse_loss(wrapped(x[:sizes[rank]]), y[:sizes[rank]]).backward()
+    k = max(sizes)
+    formula = sfb_bytes_per_rank(k, 30, 20, world_size) + sfb_bytes_per_rank(k, 5, 30, world_size)
+    stats = wrapped.comm_stats
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    wrapped.close()
+    return {"by_path": dict(stats.bytes_by_path), "formula": formula, "grads": grads}
+
+
+def plan_printout(rank: int, world_size: int, link) -> tuple[str, str]:
+    """The plan of a small CNN after one forward, and the error of forcing SFB on a conv layer."""
+    spec = ModelSpec(conv_channels=(4,), widths=(64,), image=6)
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, link=link)
+    x, _ = batch(spec, 0, 2, world_size)
+    wrapped(x)
+    text = str(wrapped.plan)
+    wrapped.close()
+    try:
+        PoseidonDDP(model, timeout=60, fusion_bytes=0, link=link, overrides={"features.0": "SFB"})
+        error = "no error"
+    except ValueError as exc:
+        error = str(exc)
+    return text, error

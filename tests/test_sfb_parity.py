@@ -1,0 +1,83 @@
+"""The SFB path and the coordinator inside the engine: exact gradients, chosen where cheaper."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import workers
+from models import ModelSpec, fc_specs
+from poseidon_torch import LinkModel
+from test_parity import RTOL, ATOL, STEPS, assert_parity
+
+SLOW_LINK = LinkModel.from_gbps(0.01, latency_us=1.0)  # bytes dominate: SFB wins for small K
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=fc_specs(), size=st.integers(1, 4), force=st.sampled_from(["SFB", "PS"]))
+def test_forced_paths_match_single_process_and_ddp(cluster, spec, size, force):
+    results = cluster.run(workers.train_pair, spec, STEPS, size, 1, False, {"force": force})
+    assert_parity(results, spec, size, cluster.world_size)
+    for paths in results[0]["poseidon"]["paths"]:
+        assert set(paths[n] for n in workers.fc_overrides(workers.build(spec, 0), force)) <= {force}
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(width=st.integers(64, 160), size=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_cost_model_picks_sfb_for_wide_layers_and_stays_exact(cluster, width, size, seed):
+    spec = ModelSpec(in_features=width, widths=(width,), out_features=4, seed=seed)
+    results = cluster.run(workers.train_pair, spec, STEPS, size, 1, False, {"link": SLOW_LINK, "fusion_bytes": 0})
+    assert results[0]["poseidon"]["paths"][0]["body.0"] == "SFB"
+    assert results[0]["poseidon"]["sent"][0]["SFB"] > 0
+    assert_parity(results, spec, size, cluster.world_size)
+
+
+@pytest.mark.parametrize("zero_grad", ["after", "never"])
+def test_sfb_keeps_gradients_that_were_already_there(cluster, zero_grad):
+    spec = ModelSpec(in_features=10, widths=(12,), out_features=3)
+    results = cluster.run(workers.train_pair, spec, STEPS, 2, 1, False, {"force": "SFB"}, zero_grad)
+    reference = workers.train_reference(spec, STEPS, 2, cluster.world_size, zero_grad=zero_grad)
+    for name, value in reference.items():
+        torch.testing.assert_close(results[0]["poseidon"]["state"][name], value, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(results[0]["poseidon"]["state"][name], results[0]["ddp"]["state"][name],
+                                   rtol=RTOL, atol=ATOL)
+
+
+def test_no_sync_accumulation_with_sfb_layers(cluster):
+    spec = ModelSpec(in_features=10, widths=(12,), out_features=3)
+    results = cluster.run(workers.train_pair, spec, STEPS, 2, 2, False, {"force": "SFB"})
+    assert_parity(results, spec, 2, cluster.world_size, accumulate=2)
+    assert results[0]["poseidon"]["paths"][0]["body.0"] == "PS", "accumulated layers must go through PS"
+
+
+@pytest.mark.parametrize("case", ["shared_weights", "seq_inputs", "custom_head", "unused_branch"])
+def test_sfb_special_models(cluster, case):
+    spec = {"shared_weights": ModelSpec(widths=(8,), tied=True),
+            "seq_inputs": ModelSpec(widths=(9, 7), seq=4),
+            "custom_head": ModelSpec(widths=(8,), custom_head=True),
+            "unused_branch": ModelSpec(widths=(8,), unused_branch=True)}[case]
+    results = cluster.run(workers.train_pair, spec, STEPS, 3, 1, False, {"force": "SFB"})
+    assert_parity(results, spec, 3, cluster.world_size)
+    initial = workers.build(spec, seed=spec.seed).state_dict()
+    if spec.unused_branch:  # no rank used it: no gradient, so weight decay left it alone
+        assert torch.equal(results[0]["poseidon"]["state"]["unused.weight"], initial["unused.weight"])
+
+
+def test_sfb_bytes_match_formula_with_different_k_per_rank(cluster):
+    sizes = tuple(range(2, 2 + cluster.world_size))
+    results = cluster.run(workers.sfb_bytes, sizes)
+    for r in results:
+        assert r["by_path"]["SFB"] == r["formula"] and r["by_path"]["PS"] == 0
+        assert r["by_path"]["plan"] == (cluster.world_size - 1) * 8 * 2
+    for name, grad in results[0]["grads"].items():
+        for other in results[1:]:
+            assert torch.equal(other["grads"][name], grad), f"ranks disagree on {name}"
+
+
+def test_plan_is_printable_and_overrides_are_checked(cluster):
+    for text, error in cluster.run(workers.plan_printout, SLOW_LINK):
+        print(text)
+        for needle in ("features.0", "Conv2d", "body.0", "head", "SFB", "PS", "Linear", "P="):
+            assert needle in text
+        assert "cannot force SFB on layer 'features.0': it is not an FC layer (Conv2d)" in error
