@@ -1,0 +1,418 @@
+"""Benchmark runner: compute-only, torch DDP, poseidon-ps and poseidon-hybrid on one workload, side by side.
+
+Usage::
+
+    python -m poseidon_torch.bench --mode localhost|netns --hosts N --bandwidth 1gbit|10gbit [--latency 0.2ms]
+        --workload fc_heavy|resnet|transformer|all --iters I --warmup W --out DIR [--tiny] [--timeout S]
+
+For every workload it runs, one after the other: ``compute-only`` (one process, no sync, the same per-rank
+batch), ``torch-ddp``, ``poseidon-ps`` (PoseidonDDP(hybrid=False)) and ``poseidon-hybrid``
+(PoseidonDDP(hybrid=True)), each with N ranks (one per host), each rank a
+``python -m poseidon_torch.bench.worker`` process. It prints a table and writes ``DIR/results.json`` and
+``DIR/results.png``; per-rank logs go to ``DIR/logs``, raw worker results to ``DIR/runs``.
+
+Columns: median iteration time (slowest rank per iteration); samples/s over all ranks (for compute-only:
+N x batch / its iteration time, i.e. perfect scaling without communication); throughput relative
+to torch DDP; bytes on the wire per iteration per host and where that number comes from (``wire``: the
+host veth's tx_bytes, netns mode; ``comm_stats``: PoseidonDDP's own count; ``analytic``: ring all-reduce
+2(P-1)/P x parameter bytes for DDP; localhost mode); the lower bound
+``max(compute-only iteration, minimal bytes / bandwidth)`` and the iteration time divided by it; the
+fraction of communication hidden under compute from the PoseidonDDP trace summary, when
+``poseidon_torch/trace.py`` exists and the engine wrote a trace (``-`` otherwise).
+
+Minimal bytes per host per iteration, for P hosts: every parameter tensor synced by a bandwidth-optimal
+all-reduce (2(P-1)/P of its bytes), except that a Linear layer that ran with K rows in the forward pass
+may instead use sufficient factors ((P-1) K (M+N) values), whichever is smaller.
+
+Modes:
+- ``localhost``: ranks on 127.0.0.1 (gloo over ``lo``). The bandwidth is NOT enforced; it only enters the
+  lower bound. Works as any user.
+- ``netns``: an emulated cluster (:mod:`poseidon_torch.bench.netns`): one network namespace per host, a
+  bridge, tbf shaping both ways per link; gloo bound to each host's veth. Needs root; without it the
+  runner says so and falls back to localhost.
+
+Invariants:
+- All ranks share this machine: each rank (and the compute-only run) uses 1 torch thread when N > 1,
+  all cores when N == 1, so compute-only is one rank's compute.
+- Worker processes run in their own process groups and are always stopped (SIGTERM, then SIGKILL) and
+  namespaces always deleted, on success, failure, exceptions, Ctrl-C, SIGTERM and SIGHUP.
+- A mode that fails (e.g. PoseidonDDP missing) is recorded with its error and the other modes still run;
+  the exit status is 0 only if every mode of every workload succeeded.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from poseidon_torch.bench.netns import HOST_IFACE, EmulatedCluster, NetnsUnavailable, parse_delay, parse_rate, \
+    signals_deferred
+from poseidon_torch.bench.worker import MODES, POSEIDON_MODES
+from poseidon_torch.bench.workloads import WORKLOADS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TRACE_TOOL = Path(__file__).resolve().parents[1] / "trace.py"
+STARTUP_GRACE_S = 60.0
+STOP_GRACE_S = 3.0
+
+
+@dataclass
+class Placement:
+    """Where ranks run: ``kind`` is the mode actually used; ``wrap(host, argv)`` is the command for a host."""
+    kind: str
+    master_addr: str
+    gloo_iface: str
+    wire_iface: str | None
+    wrap: Callable[[int, list[str]], list[str]]
+    latency: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+class RankFailure(RuntimeError):
+    """A rank exited non-zero or the run passed its deadline; ``log_tail`` holds the culprit's last lines."""
+
+    def __init__(self, message: str, log_tail: str) -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m poseidon_torch.bench",
+                                     description="PoseidonDDP vs torch DDP on localhost or an emulated cluster.")
+    parser.add_argument("--mode", choices=("localhost", "netns"), default="localhost")
+    parser.add_argument("--hosts", type=int, default=2, help="ranks, one per (emulated) host")
+    parser.add_argument("--bandwidth", default="1gbit", help="link rate per host and direction, e.g. 1gbit, 10gbit")
+    parser.add_argument("--latency", help="one-way host-to-host delay (netns mode, needs sch_netem), e.g. 0.2ms")
+    parser.add_argument("--mtu", type=int, default=9000, help="link MTU in netns mode")
+    parser.add_argument("--workload", choices=(*sorted(WORKLOADS), "all"), default="fc_heavy")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument("--tiny", action="store_true", help="shrunken models (smoke tests)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds each rank may run")
+    args = parser.parse_args(argv)
+    try:
+        args.bandwidth_bps = parse_rate(args.bandwidth)
+        args.latency = parse_delay(args.latency) if args.latency else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.hosts < 1 or args.iters < 1 or args.warmup < 0:
+        parser.error("--hosts and --iters must be >= 1, --warmup >= 0")
+    return args
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP arrived; raised from the handler so that the stack unwinds as with Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, _frame: object) -> None:
+    raise Interrupted(signum)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM / SIGHUP unwind like Ctrl-C does, so every ``finally`` and context manager cleans up."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupted)
+
+
+def localhost_placement() -> Placement:
+    return Placement("localhost", "127.0.0.1", "lo", None, lambda _host, argv: argv)
+
+
+def open_placement(args: argparse.Namespace, stack: contextlib.ExitStack) -> Placement:
+    """The emulated cluster in netns mode (entered on ``stack``), else, or if it cannot be built, localhost."""
+    if args.mode == "netns":
+        try:
+            cluster = stack.enter_context(EmulatedCluster(args.hosts, args.bandwidth, args.latency, args.mtu))
+        except NetnsUnavailable as exc:
+            print(f"netns mode unavailable: {exc}\nFalling back to localhost mode.", file=sys.stderr)
+        else:
+            return Placement("netns", cluster.address(0), HOST_IFACE, HOST_IFACE, cluster.command,
+                             cluster.delay, list(cluster.warnings))
+    return localhost_placement()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def threads_per_rank(hosts: int) -> int:
+    return 1 if hosts > 1 else (os.cpu_count() or 1)
+
+
+def rank_env(placement: Placement, rank: int, world: int, port: int, threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=placement.master_addr, MASTER_PORT=str(port),
+               GLOO_SOCKET_IFNAME=placement.gloo_iface, OMP_NUM_THREADS=str(threads),
+               PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))))
+    return env
+
+
+def _log_tail(log: Path, lines: int = 15) -> str:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _last_line(text: str) -> str:
+    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "(no output)")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every live rank's process group, SIGKILL what is left after a grace period, reap all."""
+    with signals_deferred():
+        live = [p for p in procs if p.poll() is None]
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in live:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:
+    """Return when every rank exited 0; raise :class:`RankFailure` at the first failure or at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0):
+                tail = _log_tail(logs[rank])
+                raise RankFailure(f"rank {rank} exited with status {code}: {_last_line(tail)}", tail)
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() > deadline:
+            tail = _log_tail(logs[codes.index(None)])
+            raise RankFailure(f"timed out after {timeout:.0f} s", tail)
+        time.sleep(0.05)
+
+
+def run_ranks(commands: list[list[str]], envs: list[dict[str, str]], logs: list[Path], timeout: float) -> None:
+    """Start one process per rank (own process group, output to its log) and wait for all of them."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for command, env, log in zip(commands, envs, logs):
+            with log.open("w") as out:
+                procs.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        wait_all(procs, logs, timeout)
+    finally:
+        stop(procs)
+
+
+def fresh_dir(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def worker_argv(args: argparse.Namespace, mode: str, workload: str, result: Path, threads: int,
+                wire_iface: str | None, trace_dir: Path | None) -> list[str]:
+    argv = [sys.executable, "-m", "poseidon_torch.bench.worker", "--mode", mode, "--workload", workload,
+            "--iters", str(args.iters), "--warmup", str(args.warmup), "--threads", str(threads),
+            "--timeout", str(args.timeout), "--result", str(result)]
+    argv += ["--tiny"] * args.tiny
+    argv += ["--wire-iface", wire_iface] if wire_iface else []
+    argv += ["--trace-dir", str(trace_dir)] if trace_dir else []
+    return argv
+
+
+def overlap_from_trace(trace_dir: Path | None) -> float | None:
+    """``overlap_ratio`` of ``poseidon_torch.trace summary --json`` on the run's trace (merged one first)."""
+    traces = sorted(trace_dir.glob("*.json"), key=lambda p: ("merged" not in p.name, p.name)) if trace_dir else []
+    if not traces:
+        return None
+    captured = io.StringIO()
+    try:  # another team's tool: whatever goes wrong in it costs this column, never the benchmark
+        from poseidon_torch.trace import main as trace_main
+
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(io.StringIO()):
+            status = trace_main(["summary", str(traces[0]), "--json"])
+        return json.loads(captured.getvalue()).get("overlap_ratio") if status == 0 else None
+    except (Exception, SystemExit):
+        return None
+
+
+def run_mode(args: argparse.Namespace, placement: Placement, workload: str, mode: str) -> dict:
+    """One mode of one workload; the worker's result, or ``{"mode", "error", "log_tail"}``."""
+    name = f"{workload}-{mode}"
+    distributed = mode != "compute-only"
+    world, threads = (args.hosts if distributed else 1), threads_per_rank(args.hosts)
+    result = args.out / "runs" / f"{name}.json"
+    result.unlink(missing_ok=True)
+    trace_dir = fresh_dir(args.out / "traces" / name) if mode in POSEIDON_MODES and TRACE_TOOL.is_file() else None
+    wire_iface = placement.wire_iface if distributed else None
+    argv = worker_argv(args, mode, workload, result, threads, wire_iface, trace_dir)
+    port = free_port()
+    commands = [placement.wrap(rank, argv) if distributed else argv for rank in range(world)]
+    envs = [rank_env(placement, rank, world, port, threads) for rank in range(world)]
+    logs = [args.out / "logs" / f"{name}-rank{rank}.log" for rank in range(world)]
+    try:
+        run_ranks(commands, envs, logs, args.timeout + STARTUP_GRACE_S)
+    except RankFailure as exc:
+        return {"mode": mode, "error": str(exc), "log_tail": exc.log_tail}
+    report = json.loads(result.read_text())
+    report["overlap"] = overlap_from_trace(trace_dir) if mode in POSEIDON_MODES else None
+    return report
+
+
+def minimal_sync_bytes(profile: dict, hosts: int) -> float:
+    """Fewest bytes per host per iteration: all-reduce everything, or sufficient factors where cheaper."""
+    if hosts == 1:
+        return 0.0
+    share = 2 * (hosts - 1) / hosts
+    linear_bytes = sum(layer["bytes"] for layer in profile["linear"])
+    total = share * (profile["param_bytes"] - linear_bytes)
+    for layer in profile["linear"]:
+        values = layer["M"] * layer["N"] + (layer["M"] if layer["bias"] else 0)
+        factor_bytes = (hosts - 1) * layer["K"] * (layer["M"] + layer["N"]) * layer["bytes"] / values
+        total += min(share * layer["bytes"], factor_bytes)
+    return total
+
+
+def add_derived(entry: dict, hosts: int, bandwidth_bps: int) -> None:
+    """Lower bound, ratio to DDP and ratio to the bound, from the modes' results in ``entry``."""
+    modes = entry["modes"]
+    compute = modes["compute-only"]
+    ddp = modes["torch-ddp"]
+    if "error" not in compute:
+        compute["samples_per_s"] = hosts * compute["batch_per_rank"] / compute["median_iter_s"]
+        entry["profile"] = compute["profile"]
+        entry["minimal_bytes_per_iter_per_host"] = minimal_sync_bytes(compute["profile"], hosts)
+        entry["lower_bound"] = {"compute_s": compute["median_iter_s"],
+                                "network_s": entry["minimal_bytes_per_iter_per_host"] * 8 / bandwidth_bps}
+        entry["lower_bound_s"] = max(entry["lower_bound"].values())
+    for result in modes.values():
+        if "error" in result:
+            continue
+        result["ratio_to_ddp"] = result["samples_per_s"] / ddp["samples_per_s"] if "error" not in ddp else None
+        bound = entry.get("lower_bound_s")
+        result["ratio_to_lower_bound"] = result["median_iter_s"] / bound if bound else None
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(report: dict) -> str:
+    header = (f"{'workload':<12} {'mode':<16} {'iter ms':>9} {'samples/s':>10} {'vs DDP':>7} {'MB/iter/host':>12} "
+              f"{'source':<10} {'bound ms':>9} {'x bound':>8} {'overlap':>8}")
+    lines = [header, "-" * len(header)]
+    for workload, entry in report["workloads"].items():
+        bound = entry.get("lower_bound_s")
+        for mode, r in entry["modes"].items():
+            if "error" in r:
+                lines.append(f"{workload:<12} {mode:<16} FAILED: {r['error']}")
+                continue
+            lines.append(
+                f"{workload:<12} {mode:<16} {r['median_iter_s'] * 1e3:>9.1f} {r['samples_per_s']:>10.1f} "
+                f"{_fmt(r['ratio_to_ddp'], '.2f'):>7} {r['bytes_per_iter_per_host'] / 1e6:>12.3f} "
+                f"{r['bytes_source']:<10} {_fmt(None if bound is None else bound * 1e3, '.1f'):>9} "
+                f"{_fmt(r['ratio_to_lower_bound'], '.2f'):>8} {_fmt(r['overlap'], '.1%'):>8}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Grouped bars per workload: samples/s (with the lower bound's throughput) and MB per iteration per host."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    workloads = list(report["workloads"])
+    fig = Figure(figsize=(max(6, 3 * len(workloads)), 7), layout="constrained")
+    speed_ax, bytes_ax = fig.subplots(2, 1)
+    width = 0.8 / len(MODES)
+    for i, mode in enumerate(MODES):
+        results = [report["workloads"][w]["modes"][mode] for w in workloads]
+        xs = [j + (i - (len(MODES) - 1) / 2) * width for j in range(len(workloads))]
+        speed_ax.bar(xs, [r.get("samples_per_s", 0.0) for r in results], width, label=mode)
+        bytes_ax.bar(xs, [r.get("bytes_per_iter_per_host", 0.0) / 1e6 for r in results], width, label=mode)
+    cfg = report["config"]
+    for j, workload in enumerate(workloads):
+        entry = report["workloads"][workload]
+        if entry.get("lower_bound_s"):
+            samples = cfg["hosts"] * entry["modes"]["compute-only"]["batch_per_rank"] / entry["lower_bound_s"]
+            speed_ax.hlines(samples, j - 0.45, j + 0.45, colors="black", linestyles="dashed",
+                            label="lower bound" if j == 0 else None)
+    for ax, label in ((speed_ax, "samples/s (all ranks)"), (bytes_ax, "MB per iteration per host")):
+        ax.set_xticks(range(len(workloads)), workloads)
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    speed_ax.legend(fontsize="small")
+    speed_ax.set_title(f"{cfg['mode']}, {cfg['hosts']} hosts, {cfg['bandwidth']}"
+                       f"{'' if cfg['bandwidth_enforced'] else ' (not enforced)'}")
+    fig.savefig(path, dpi=120)
+
+
+def config(args: argparse.Namespace, placement: Placement, workloads: list[str]) -> dict:
+    return {
+        "mode_requested": args.mode, "mode": placement.kind, "hosts": args.hosts, "bandwidth": args.bandwidth,
+        "bandwidth_bps": args.bandwidth_bps, "bandwidth_enforced": placement.kind == "netns",
+        "latency": args.latency, "latency_applied": placement.latency is not None,
+        "mtu": args.mtu if placement.kind == "netns" else None,
+        "threads_per_rank": threads_per_rank(args.hosts), "iters": args.iters, "warmup": args.warmup,
+        "tiny": args.tiny, "workloads": workloads, "warnings": placement.warnings,
+    }
+
+
+def run_all(args: argparse.Namespace, placement: Placement) -> dict:
+    workloads = sorted(WORKLOADS) if args.workload == "all" else [args.workload]
+    report = {"config": config(args, placement, workloads), "workloads": {}}
+    for warning in placement.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    for workload in workloads:
+        entry = {"modes": {}}
+        for mode in MODES:
+            print(f"[{workload}] {mode} ...", file=sys.stderr, flush=True)
+            entry["modes"][mode] = run_mode(args, placement, workload, mode)
+            if "error" in entry["modes"][mode]:
+                print(f"[{workload}] {mode} FAILED: {entry['modes'][mode]['error']}", file=sys.stderr)
+        add_derived(entry, args.hosts, args.bandwidth_bps)
+        report["workloads"][workload] = entry
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    install_signal_handlers()
+    for sub in ("runs", "logs"):
+        (args.out / sub).mkdir(parents=True, exist_ok=True)
+    try:
+        with contextlib.ExitStack() as stack:
+            report = run_all(args, open_placement(args, stack))
+    except (KeyboardInterrupt, Interrupted) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"interrupted by {signal.Signals(signum).name}; workers stopped, namespaces removed", file=sys.stderr)
+        return 128 + signum
+    (args.out / "results.json").write_text(json.dumps(report, indent=1))
+    plot(report, args.out / "results.png")
+    print(table(report))
+    print(f"\nwrote {args.out / 'results.json'} and {args.out / 'results.png'}")
+    failed = [m for e in report["workloads"].values() for m in e["modes"].values() if "error" in m]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

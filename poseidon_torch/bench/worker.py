@@ -1,0 +1,201 @@
+"""One rank of one benchmark run: build a workload, wrap it per mode, warm up, time iterations, report JSON.
+
+Usage (normally launched by ``python -m poseidon_torch.bench``)::
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
+        python -m poseidon_torch.bench.worker --mode torch-ddp --workload fc_heavy --iters 10 --warmup 3 \\
+        --result out.json [--tiny] [--threads 1] [--timeout 300] [--wire-iface veth0] [--trace-dir DIR]
+
+Modes: ``compute-only`` (no process group, no sync: the plain module on this rank's batch), ``torch-ddp``
+(torch.nn.parallel.DistributedDataParallel), ``poseidon-ps`` (PoseidonDDP(hybrid=False)) and
+``poseidon-hybrid`` (PoseidonDDP(hybrid=True)). Distributed modes use gloo, initialised from the env
+variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+
+Invariants:
+- An iteration is: zero_grad, forward, loss, backward, SGD step. The batch is built before the clock
+  starts. Warm-up iterations are untimed; one barrier separates warm-up from the timed loop, which itself
+  has no barrier; the per-rank times are gathered after the loop, and an iteration's time is the slowest
+  rank's.
+- Bytes per iteration per host: with ``--wire-iface`` the interface's ``tx_bytes`` delta over the timed loop
+  (real wire bytes, headers included; read inside the rank's network namespace); otherwise PoseidonDDP's
+  ``comm_stats.bytes_sent_last_iteration`` summed over the timed loop, and for torch DDP the ring
+  all-reduce volume 2(P-1)/P x parameter bytes (buffer broadcasts not counted). The ``bytes_source`` field
+  says which.
+- Only rank 0 writes the result file. Any error, or running longer than ``--timeout`` seconds, ends the
+  process with a non-zero status (the watchdog dumps every thread's stack to stderr first).
+- PoseidonDDP is imported only by the poseidon modes, before the process group is created, so a missing
+  engine fails fast with a clear message.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, profile
+
+MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid")
+POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid")
+LEARNING_RATE = 0.01
+MOMENTUM = 0.9
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m poseidon_torch.bench.worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--tiny", action="store_true", help="shrunken models (smoke tests)")
+    parser.add_argument("--iters", type=int, required=True)
+    parser.add_argument("--warmup", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of this rank")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the rank gives up")
+    parser.add_argument("--result", type=Path, required=True, help="JSON result file (written by rank 0)")
+    parser.add_argument("--wire-iface", help="count wire bytes from this interface's tx_bytes")
+    parser.add_argument("--trace-dir", help="PoseidonDDP trace directory (poseidon modes)")
+    args = parser.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:
+        parser.error("--iters must be >= 1 and --warmup >= 0")
+    return args
+
+
+def wrapper_for(args: argparse.Namespace) -> Callable[[nn.Module], nn.Module]:
+    """The function that wraps the module for ``args.mode`` (imports PoseidonDDP only when needed)."""
+    if args.mode == "compute-only":
+        return lambda module: module
+    if args.mode == "torch-ddp":
+        return nn.parallel.DistributedDataParallel
+    try:
+        from poseidon_torch import PoseidonDDP
+    except ImportError as exc:
+        raise RuntimeError(f"mode {args.mode} needs poseidon_torch.PoseidonDDP, "
+                           f"which is not importable: {exc}") from exc
+    hybrid = args.mode == "poseidon-hybrid"
+    return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=args.timeout, trace_dir=args.trace_dir)
+
+
+def init_process_group(timeout: float) -> tuple[int, int]:
+    """Join the gloo group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; (rank, world)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    return rank, world
+
+
+def read_tx_bytes(iface: str) -> int:
+    return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, rank: int) -> dict:
+    """Warm up, then time ``args.iters`` iterations; this rank's raw measurements."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    for step in range(args.warmup):
+        train_step(model, optimizer, workload.make_batch(rank, step), workload.loss_fn)
+    if dist.is_initialized():
+        dist.barrier()
+    tx_start = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
+    times, losses, api_bytes = [], [], 0
+    for step in range(args.warmup, args.warmup + args.iters):
+        batch = workload.make_batch(rank, step)
+        start = time.perf_counter()
+        losses.append(train_step(model, optimizer, batch, workload.loss_fn))
+        times.append(time.perf_counter() - start)
+        if args.mode in POSEIDON_MODES:
+            api_bytes += model.comm_stats.bytes_sent_last_iteration
+    tx_end = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
+    return {"times": times, "losses": losses, "api_bytes_per_iter": api_bytes / args.iters,
+            "wire_bytes_per_iter": (tx_end - tx_start) / args.iters}
+
+
+def bytes_per_iter(args: argparse.Namespace, records: list[dict], param_bytes: int) -> tuple[float, str, list[float]]:
+    """(mean bytes per iteration per host, source label, per-rank values)."""
+    world = len(records)
+    if args.mode == "compute-only":
+        per_rank, source = [0.0], "none"
+    elif args.wire_iface:
+        per_rank, source = [r["wire_bytes_per_iter"] for r in records], "wire"
+    elif args.mode in POSEIDON_MODES:
+        per_rank, source = [r["api_bytes_per_iter"] for r in records], "comm_stats"
+    else:
+        per_rank, source = [2 * (world - 1) / world * param_bytes] * world, "analytic"
+    return statistics.fmean(per_rank), source, per_rank
+
+
+def summarise(args: argparse.Namespace, records: list[dict], workload: Workload, param_bytes: int) -> dict:
+    world = len(records)
+    iter_times = [max(ts) for ts in zip(*(r["times"] for r in records))]
+    median = statistics.median(iter_times)
+    mean_bytes, source, per_rank_bytes = bytes_per_iter(args, records, param_bytes)
+    result = {
+        "mode": args.mode, "workload": args.workload, "tiny": args.tiny, "world_size": world,
+        "batch_per_rank": workload.batch_size, "threads": args.threads, "iters": args.iters, "warmup": args.warmup,
+        "iter_times_s": iter_times, "median_iter_s": median, "mean_iter_s": statistics.fmean(iter_times),
+        "samples_per_s": world * workload.batch_size / median,
+        "bytes_per_iter_per_host": mean_bytes, "bytes_source": source, "bytes_per_iter_by_rank": per_rank_bytes,
+        "losses_rank0": records[0]["losses"],
+    }
+    if args.mode in POSEIDON_MODES:
+        result["comm_stats_bytes_per_iter_by_rank"] = [r["api_bytes_per_iter"] for r in records]
+    if args.mode == "compute-only":
+        result["profile"] = profile(workload)
+    return result
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    wrap = wrapper_for(args)
+    distributed = args.mode != "compute-only"
+    rank, _ = init_process_group(args.timeout) if distributed else (0, 1)
+    try:
+        workload = build(args.workload, args.tiny)
+        param_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters())
+        record = timed_loop(args, wrap(workload.model), workload, rank)
+        records = [record]
+        if distributed:
+            records = [None] * dist.get_world_size()
+            dist.all_gather_object(records, record)
+        if rank == 0:
+            result = summarise(args, records, workload, param_bytes)
+            args.result.write_text(json.dumps(result, indent=1))
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    faulthandler.dump_traceback_later(args.timeout, exit=True)
+    try:
+        run(args)
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"worker {args.mode}/{args.workload} rank {os.environ.get('RANK', '0')} failed: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
