@@ -7,7 +7,8 @@ the fewest bytes so far takes the next chunk, ties to the lowest rank. All ranks
 
 One sync of a syncer, on the channel's process group, with P ranks:
 - push: every rank sends each chunk it does not own to the chunk's owner (point-to-point);
-- aggregate: the owner sums exactly P contributions (its counter), in rank order, and divides by P;
+- aggregate: the owner adds exactly P - 1 pushes (its counter) to its own part, in rank order, and
+  divides by P;
 - pull: the owner sends the averaged chunk to the P - 1 other ranks.
 Bytes sent by one rank for a chunk of b bytes: b if it is not the owner, (P - 1) b if it is. Over all ranks
 that is 2 (P - 1) b per chunk, so with balanced owners a rank sends 2 (P - 1) / P of the model's gradient
@@ -64,7 +65,7 @@ def push_pull(flat: torch.Tensor, chunks: Sequence[Chunk], rank: int, world_size
     counted from the tensors actually handed to ``isend``."""
     received, pushed = _push(flat, chunks, rank, world_size, group)
     for chunk, contributions in received.items():
-        _aggregate_into(flat[chunk.start:chunk.stop], contributions, rank, world_size)
+        _aggregate_into(flat[chunk.start:chunk.stop], contributions, world_size)
     return pushed + _pull(flat, chunks, rank, world_size, group)
 
 
@@ -93,13 +94,11 @@ def _push(flat, chunks, rank, world_size, group) -> tuple[dict[Chunk, dict[int, 
     return received, _run(ops)
 
 
-def _aggregate_into(own: torch.Tensor, contributions: dict[int, torch.Tensor], rank: int,
-                    world_size: int) -> None:
-    """Sum the P contributions in rank order (deterministic), then average, into ``own``."""
-    total = own.clone() if rank == 0 else contributions[0].clone()
-    for r in range(1, world_size):
-        total += own if r == rank else contributions[r]
-    own.copy_(total.div_(world_size))
+def _aggregate_into(own: torch.Tensor, contributions: dict[int, torch.Tensor], world_size: int) -> None:
+    """Add the P - 1 pushed contributions into ``own`` in rank order (deterministic), then average."""
+    for peer in sorted(contributions):
+        own += contributions[peer]
+    own.div_(world_size)
 
 
 def _pull(flat, chunks, rank, world_size, group) -> int:

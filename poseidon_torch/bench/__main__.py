@@ -5,8 +5,8 @@ Usage::
     python -m poseidon_torch.bench --mode localhost|netns --hosts N --bandwidth 1gbit|10gbit [--latency 0.2ms]
         --workload fc_heavy|resnet|transformer|all --iters I --warmup W --out DIR [--tiny] [--timeout S]
 
-For every workload it runs, one after the other: ``compute-only`` (one process, no sync, the same per-rank
-batch), ``torch-ddp``, ``poseidon-ps`` (PoseidonDDP(hybrid=False)) and ``poseidon-hybrid``
+For every workload it runs, one after the other: ``compute-only`` (N ranks side by side that never sync,
+the same per-rank batch), ``torch-ddp``, ``poseidon-ps`` (PoseidonDDP(hybrid=False)) and ``poseidon-hybrid``
 (PoseidonDDP(hybrid=True)), each with N ranks (one per host), each rank a
 ``python -m poseidon_torch.bench.worker`` process. It prints a table and writes ``DIR/results.json`` and
 ``DIR/results.png``; per-rank logs go to ``DIR/logs``, raw worker results to ``DIR/runs``.
@@ -32,8 +32,8 @@ Modes:
   runner says so and falls back to localhost.
 
 Invariants:
-- All ranks share this machine: each rank (and the compute-only run) uses 1 torch thread when N > 1,
-  all cores when N == 1, so compute-only is one rank's compute.
+- All ranks share this machine: each rank uses 1 torch thread when N > 1, all cores when N == 1; the
+  compute-only ranks run side by side as the synced ones do, so each gets the same CPU share.
 - Worker processes run in their own process groups and are always stopped (SIGTERM, then SIGKILL) and
   namespaces always deleted, on success, failure, exceptions, Ctrl-C, SIGTERM and SIGHUP.
 - A mode that fails (e.g. PoseidonDDP missing) is recorded with its error and the other modes still run;
@@ -257,15 +257,15 @@ def overlap_from_trace(trace_dir: Path | None) -> float | None:
 def run_mode(args: argparse.Namespace, placement: Placement, workload: str, mode: str) -> dict:
     """One mode of one workload; the worker's result, or ``{"mode", "error", "log_tail"}``."""
     name = f"{workload}-{mode}"
-    distributed = mode != "compute-only"
-    world, threads = (args.hosts if distributed else 1), threads_per_rank(args.hosts)
+    synced = mode != "compute-only"
+    world, threads = args.hosts, threads_per_rank(args.hosts)
     result = args.out / "runs" / f"{name}.json"
     result.unlink(missing_ok=True)
     trace_dir = fresh_dir(args.out / "traces" / name) if mode in POSEIDON_MODES and TRACE_TOOL.is_file() else None
-    wire_iface = placement.wire_iface if distributed else None
+    wire_iface = placement.wire_iface if synced else None
     argv = worker_argv(args, mode, workload, result, threads, wire_iface, trace_dir)
     port = free_port()
-    commands = [placement.wrap(rank, argv) if distributed else argv for rank in range(world)]
+    commands = [placement.wrap(rank, argv) for rank in range(world)]
     envs = [rank_env(placement, rank, world, port, threads) for rank in range(world)]
     logs = [args.out / "logs" / f"{name}-rank{rank}.log" for rank in range(world)]
     try:

@@ -6,10 +6,11 @@ Usage (normally launched by ``python -m poseidon_torch.bench``)::
         python -m poseidon_torch.bench.worker --mode torch-ddp --workload fc_heavy --iters 10 --warmup 3 \\
         --result out.json [--tiny] [--threads 1] [--timeout 300] [--wire-iface veth0] [--trace-dir DIR]
 
-Modes: ``compute-only`` (no process group, no sync: the plain module on this rank's batch), ``torch-ddp``
+Modes: ``compute-only`` (no sync: the plain module on this rank's batch; the process group only gathers
+the timings after the timed loop), ``torch-ddp``
 (torch.nn.parallel.DistributedDataParallel), ``poseidon-ps`` (PoseidonDDP(hybrid=False)) and
-``poseidon-hybrid`` (PoseidonDDP(hybrid=True)). Distributed modes use gloo, initialised from the env
-variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+``poseidon-hybrid`` (PoseidonDDP(hybrid=True)). All modes use gloo, initialised from the env variables
+RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
 Invariants:
 - An iteration is: zero_grad, forward, loss, backward, SGD step. The batch is built before the clock
@@ -130,7 +131,7 @@ def bytes_per_iter(args: argparse.Namespace, records: list[dict], param_bytes: i
     """(mean bytes per iteration per host, source label, per-rank values)."""
     world = len(records)
     if args.mode == "compute-only":
-        per_rank, source = [0.0], "none"
+        per_rank, source = [0.0] * world, "none"
     elif args.wire_iface:
         per_rank, source = [r["wire_bytes_per_iter"] for r in records], "wire"
     elif args.mode in POSEIDON_MODES:
@@ -164,22 +165,20 @@ def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     wrap = wrapper_for(args)
-    distributed = args.mode != "compute-only"
-    rank, _ = init_process_group(args.timeout) if distributed else (0, 1)
+    # compute-only ranks join the group too, but only to gather their timings after the timed loop:
+    # they run side by side, so each gets the CPU share a host gets in the synced modes
+    rank, _ = init_process_group(args.timeout)
     try:
         workload = build(args.workload, args.tiny)
         param_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters())
         record = timed_loop(args, wrap(workload.model), workload, rank)
-        records = [record]
-        if distributed:
-            records = [None] * dist.get_world_size()
-            dist.all_gather_object(records, record)
+        records = [None] * dist.get_world_size()
+        dist.all_gather_object(records, record)
         if rank == 0:
             result = summarise(args, records, workload, param_bytes)
             args.result.write_text(json.dumps(result, indent=1))
     finally:
-        if distributed:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
