@@ -143,8 +143,9 @@ class PoseidonDDP(nn.Module):
             self._require_sync = previous
 
     def close(self) -> None:
-        """Stop the sync threads (also done when the process exits)."""
+        """Stop the sync threads and finish writing a trace (also done when the process exits)."""
         self._engine.close()
+        self.recorder.flush()
 
 
 def _single_device(module: nn.Module) -> torch.device:

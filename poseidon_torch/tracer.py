@@ -7,11 +7,14 @@ Invariants:
 - when tracing is off, ``active`` is always False and the engine records nothing (one attribute read);
 - all spans of a rank come from ``time.monotonic_ns()`` and are shifted by the rank's clock offset to
   rank 0, measured once at start-up, when written;
-- writing is collective over the control group and happens once, when the window closes.
+- writing happens once, when the window closes: the spans are gathered to every rank (collective over
+  the control group, in the training thread), then the files are written by a background thread so the
+  training step does not wait on the disk; ``flush()`` waits for it.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +50,7 @@ class Recorder:
         self.spans: list[Span] = []
         self.active = False
         self.written: list[Path] = []
+        self._writer: threading.Thread | None = None
         self._group = control_group
         self._iteration = -1
         self._iteration_start = 0
@@ -80,12 +84,16 @@ class Recorder:
             self._write()
 
     def _write(self) -> None:
+        gathered: list[list[Span]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, self.spans, group=self._group)
+        self._writer = threading.Thread(target=self._write_files, args=(gathered,), name="poseidon-trace-writer")
+        self._writer.start()
+
+    def _write_files(self, gathered: list[list[Span]]) -> None:
         from . import tracefile
 
         out = Path(self.config.directory)
         out.mkdir(parents=True, exist_ok=True)
-        gathered: list[list[Span]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, self.spans, group=self._group)
         meta = {"skip": self.config.skip, "iters": self.config.iters}
         own = out / f"trace_rank{self.rank}.json"
         tracefile.write_rank_trace(own, self.spans, self.rank, self.world_size, meta)
@@ -94,3 +102,8 @@ class Recorder:
             merged = out / "trace_merged.json"
             tracefile.write_merged_trace(merged, gathered, self.world_size, meta)
             self.written.append(merged)
+
+    def flush(self) -> None:
+        """Wait until the trace files are on disk (no-op if none are being written)."""
+        if self._writer is not None:
+            self._writer.join()
