@@ -200,13 +200,13 @@ def ps_bytes_per_rank(nbytes: int, world_size: int) -> float:
 
 
 def _ps_messages(world_size: int) -> int:
-    """Latency rounds of the PS path: push, then pull (each round's sends go out concurrently)."""
-    return 0 if world_size == 1 else 2
+    """Latency rounds of the PS path: push, then pull, each in P - 1 staggered rounds."""
+    return 2 * (world_size - 1)
 
 
 def _sfb_messages(world_size: int) -> int:
-    """Sequential ring steps of SFB: two all-gathers (K's, payload) of P-1 steps each."""
-    return 2 * (world_size - 1)
+    """Sequential ring steps of SFB's one all-gather (the K's travel in the per-iteration exchange)."""
+    return world_size - 1
 
 
 def paper_ps_traffic(m: int, n: int, p_workers: int, p_servers: int) -> float:
@@ -361,7 +361,7 @@ def plan_layers(
     overrides: dict[str, str] | None = None,
 ) -> Plan:
     """Choose PS or SFB for every layer by predicted seconds per iteration, on this implementation's
-    traffic: PS ``link.seconds(ps_bytes, 2 rounds)``; SFB ``link.seconds(sfb_bytes, 2(P-1) ring steps)``
+    traffic: PS ``link.seconds(ps_bytes, 2(P-1) staggered rounds)``; SFB ``link.seconds(sfb_bytes, P-1 ring steps)``
     plus the rebuild GEMM ``2 M (P K) N / gemm_flops``. SFB only for FC-eligible layers with known K
     and only if strictly cheaper. ``overrides`` maps layer names to a forced path; duplicate layer
     names, an unknown name or path, or SFB forced on a layer that cannot use it raise ValueError."""

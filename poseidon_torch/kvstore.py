@@ -10,9 +10,12 @@ One sync of a syncer, on the channel's process group, with P ranks:
 - aggregate: the owner adds exactly P - 1 pushes (its counter) to its own part, in rank order, and
   divides by P;
 - pull: the owner sends the averaged chunk to the P - 1 other ranks.
+Each phase runs in P - 1 staggered rounds (round i: send to rank + i, receive from rank - i), so no link
+carries two flows at once: without it, P - 1 pushes converge on an owner's link at the same moment, which
+overflows a shaped switch queue and stalls TCP on retransmission timeouts.
 Bytes sent by one rank for a chunk of b bytes: b if it is not the owner, (P - 1) b if it is. Over all ranks
 that is 2 (P - 1) b per chunk, so with balanced owners a rank sends 2 (P - 1) / P of the model's gradient
-bytes per iteration: the same volume as a bandwidth-optimal all-reduce, in two message rounds.
+bytes per iteration: the same volume as a bandwidth-optimal all-reduce.
 Every rank ends with bit-identical averages (the owner's sum is the only one computed).
 """
 from __future__ import annotations
@@ -73,6 +76,17 @@ def _peers(rank: int, world_size: int) -> list[int]:
     return [r for r in range(world_size) if r != rank]
 
 
+def _run_staggered(sends: dict[int, list[dist.P2POp]], recvs: dict[int, list[dist.P2POp]], rank: int,
+                   world_size: int) -> int:
+    """Run the ops in P - 1 rounds: in round i this rank sends only to rank + i and receives only from
+    rank - i, so every link carries one flow at a time (no incast at an owner). Returns bytes sent."""
+    sent = 0
+    for shift in range(1, world_size):
+        to, frm = (rank + shift) % world_size, (rank - shift) % world_size
+        sent += _run(sends.get(to, []) + recvs.get(frm, []))
+    return sent
+
+
 def _run(ops: list[dist.P2POp]) -> int:
     """Issue the point-to-point ops as one batch, wait for all; returns the bytes this rank sent."""
     if not ops:
@@ -83,15 +97,18 @@ def _run(ops: list[dist.P2POp]) -> int:
 
 
 def _push(flat, chunks, rank, world_size, group) -> tuple[dict[Chunk, dict[int, torch.Tensor]], int]:
-    ops, received = [], {}
+    sends: dict[int, list] = {}
+    recvs: dict[int, list] = {}
+    received = {}
     for c in chunks:
         piece = flat[c.start:c.stop]
         if c.owner == rank:
             received[c] = {peer: torch.empty_like(piece) for peer in _peers(rank, world_size)}
-            ops += [dist.P2POp(dist.irecv, buf, peer, group, c.tag) for peer, buf in received[c].items()]
+            for peer, buf in received[c].items():
+                recvs.setdefault(peer, []).append(dist.P2POp(dist.irecv, buf, peer, group, c.tag))
         else:
-            ops.append(dist.P2POp(dist.isend, piece, c.owner, group, c.tag))
-    return received, _run(ops)
+            sends.setdefault(c.owner, []).append(dist.P2POp(dist.isend, piece, c.owner, group, c.tag))
+    return received, _run_staggered(sends, recvs, rank, world_size)
 
 
 def _aggregate_into(own: torch.Tensor, contributions: dict[int, torch.Tensor], world_size: int) -> None:
@@ -102,11 +119,13 @@ def _aggregate_into(own: torch.Tensor, contributions: dict[int, torch.Tensor], w
 
 
 def _pull(flat, chunks, rank, world_size, group) -> int:
-    ops = []
+    sends: dict[int, list] = {}
+    recvs: dict[int, list] = {}
     for c in chunks:
         piece = flat[c.start:c.stop]
         if c.owner == rank:
-            ops += [dist.P2POp(dist.isend, piece, peer, group, c.tag) for peer in _peers(rank, world_size)]
+            for peer in _peers(rank, world_size):
+                sends.setdefault(peer, []).append(dist.P2POp(dist.isend, piece, peer, group, c.tag))
         else:
-            ops.append(dist.P2POp(dist.irecv, piece, c.owner, group, c.tag))
-    return _run(ops)
+            recvs.setdefault(c.owner, []).append(dist.P2POp(dist.irecv, piece, c.owner, group, c.tag))
+    return _run_staggered(sends, recvs, rank, world_size)

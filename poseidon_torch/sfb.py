@@ -260,20 +260,28 @@ class SFBLayer:
         self._fresh.clear()
         self._fired.clear()
 
-    def sync(self, counts: list[int], world_size: int, group, staged: bool) -> int:
-        """Average the layer's gradient over the ranks from their factors; returns bytes sent."""
+    def exchange(self, counts: list[int], group, staged: bool) -> tuple[Tensor, Tensor, int]:
+        """The network part: all-gather every rank's factors (U_all, V_all, bytes sent). ``counts`` are
+        the K's announced at forward; a call whose output got no gradient has no factors and is sent
+        as zero rows, which add nothing to U^T V or to the summed U."""
         u, v = self.capture.local_factors()
         self.capture.clear()
+        missing = counts[dist.get_rank(group)] - u.shape[0]
+        if missing > 0:
+            u = torch.cat([u, u.new_zeros(missing, u.shape[1])])
+            v = torch.cat([v, v.new_zeros(missing, v.shape[1])])
         if staged:
             u, v = u.cpu(), v.cpu()
-        u_all, v_all, sent = gather_factors(u, v, counts, group)
-        if sum(counts) > 0:  # else no rank used the layer: its gradients stay untouched, as in DDP
+        return gather_factors(u, v, counts, group)
+
+    def rebuild(self, u_all: Tensor, v_all: Tensor, world_size: int) -> None:
+        """The compute part: replace ``.grad`` by the rank average rebuilt from all factors."""
+        if u_all.shape[0] > 0:  # else no rank used the layer: its gradients stay untouched, as in DDP
             grad_w, grad_b = rebuild_gradients(u_all, v_all, world_size, self.spec)
             averages = {"weight": grad_w, "bias": grad_b}
             for param, role in self.targets:
                 self._write(param, averages[role].to(param.device), role)
         self.discard()
-        return sent
 
     def _write(self, param: nn.Parameter, average: Tensor, role: str) -> None:
         fresh = self._fresh.get(role)

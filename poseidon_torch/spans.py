@@ -15,8 +15,9 @@ from typing import Any
 #: forward: the wrapped module's forward; backward: one layer's share of the backward pass;
 #: iteration: forward start to the end of the BSP barrier; queue: a sync job waiting for its channel;
 #: d2h / h2d: device copies of a sync job; network: bytes on the wire for a sync job;
+#: rebuild: SFB's gradient rebuild (a GEMM on the sync thread, after its network part);
 #: sync: a whole sync job (args carry ``path`` and ``bytes``).
-SPAN_KINDS = ("forward", "backward", "iteration", "queue", "d2h", "h2d", "network", "sync")
+SPAN_KINDS = ("forward", "backward", "iteration", "queue", "d2h", "h2d", "network", "rebuild", "sync")
 COMPUTE_KINDS = ("forward", "backward")
 COMM_KINDS = ("network",)
 

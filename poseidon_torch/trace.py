@@ -48,6 +48,7 @@ STYLES = {
     "backward": ("backward", "#55a868", 0.8),
     "queue": ("queued", "#ccb974", 0.5),
     "d2h": ("device→host copy", "#64b5cd", 0.5),
+    "rebuild": ("SFB rebuild (GEMM)", "#da8bc3", 0.5),
     "h2d": ("host→device copy", "#dd8452", 0.5),
     "network PS": ("network, PS", "#c44e52", 0.5),
     "network SFB": ("network, SFB", "#8172b2", 0.5),

@@ -189,24 +189,34 @@ class WFBPEngine:
         with torch.profiler.record_function(f"poseidon.sync.{path}.{syncer.name}"), \
                 self._device_stream(channel.index, s_idx) as stream:
             if path == SFB:
-                net_start = time.monotonic_ns()
-                sent = self.fc_layers[s_idx].sync(self.coordinator.counts[s_idx], self.world_size, group,
-                                                  self._staged)
-                net_end = time.monotonic_ns()
+                net_start, net_end, sent = self._sync_sfb(self.fc_layers[s_idx], s_idx, group, lane)
             else:
-                net_start, net_end, sent = self._sync_ps(syncer, flat, group, stream)
+                net_start, net_end, sent = self._sync_ps(syncer, flat, group, stream, f"stream-{channel.index}")
             if stream is not None:
                 self._done_events[s_idx].record(stream)
         self._bytes[s_idx] = sent
         self._record_job(syncer.name, lane, ready_ns, start_ns, net_start, net_end, sent, path)
         self.barrier.arrive(s_idx)
 
-    def _sync_ps(self, syncer: Syncer, flat: torch.Tensor, group: object, stream) -> tuple[int, int, int]:
+    def _sync_sfb(self, fc: SFBLayer, s_idx: int, group: object, lane: str) -> tuple[int, int, int]:
+        net_start = time.monotonic_ns()
+        u_all, v_all, sent = fc.exchange(self.coordinator.counts[s_idx], group, self._staged)
+        net_end = time.monotonic_ns()
+        fc.rebuild(u_all, v_all, self.world_size)
+        if self.recorder.active:
+            self.recorder.add("rebuild", self.syncers[s_idx].name, lane, net_end, time.monotonic_ns())
+        return net_start, net_end, sent
+
+    def _sync_ps(self, syncer: Syncer, flat: torch.Tensor, group: object, stream,
+                 stream_lane: str) -> tuple[int, int, int]:
         if syncer.index in self.fc_layers:
             self.fc_layers[syncer.index].discard()
+        copy_start = time.monotonic_ns()
         syncer.gather_grads(flat, self._used[syncer.index])
         if stream is not None and self._staged:
             stream.synchronize()  # the host buffer must hold the gradients before gloo reads it
+            if self.recorder.active:
+                self.recorder.add("d2h", syncer.name, stream_lane, copy_start, time.monotonic_ns())
         net_start = time.monotonic_ns()
         sent = self._average(syncer, flat, group)
         net_end = time.monotonic_ns()

@@ -8,10 +8,9 @@ from hypothesis import strategies as st
 
 import workers
 from models import ModelSpec, fc_specs
-from poseidon_torch import LinkModel
 from test_parity import RTOL, ATOL, STEPS, assert_parity
 
-SLOW_LINK = LinkModel.from_gbps(0.01, latency_us=1.0)  # bytes dominate: SFB wins for small K
+SLOW_LINK = workers.slow_link()
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -81,3 +80,10 @@ def test_plan_is_printable_and_overrides_are_checked(cluster):
         for needle in ("features.0", "Conv2d", "body.0", "head", "SFB", "PS", "Linear", "P="):
             assert needle in text
         assert "cannot force SFB on layer 'features.0': it is not an FC layer (Conv2d)" in error
+
+
+def test_coordinator_replans_when_k_changes(cluster):
+    """64 samples per rank: the 64x64 layer is cheaper through PS; a last batch of 2: through SFB."""
+    plans = cluster.run(workers.replan_on_new_k, SLOW_LINK, (64, 64, 2))[0]
+    assert plans[0]["body.0"] == (64, "PS") and plans[1] == plans[0]
+    assert plans[2]["body.0"] == (2, "SFB")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import workers
 
 
@@ -17,3 +19,29 @@ def test_last_layer_sync_starts_before_first_layer_backward_ends(cluster, tmp_pa
         assert lead_ms > 0, f"rank {rank}: last layer's sync started {-lead_ms:.2f} ms after backward ended"
     merged = json.loads((tmp_path / "trace_merged.json").read_text())
     assert {e["pid"] for e in merged["traceEvents"]} == set(range(cluster.world_size))
+
+
+def test_real_trace_covers_every_layer_and_rank_and_summary_agrees(cluster, tmp_path):
+    from poseidon_torch import trace, tracefile
+
+    iters = 3
+    results = cluster.run(workers.traced_training, str(tmp_path), iters)
+    merged = tmp_path / "trace_merged.json"
+    spans = tracefile.load_spans(merged)
+    assert sorted(spans) == list(range(cluster.world_size))
+    for rank, rank_spans in spans.items():
+        assert {s.iteration for s in rank_spans} == {1, 2, 3}
+        for kind in ("forward", "iteration"):
+            assert sum(s.kind == kind for s in rank_spans) == iters
+        for name in results[rank]["syncers"]:
+            for kind in ("queue", "network", "sync"):
+                assert sum(s.kind == kind and s.name == name for s in rank_spans) == iters, (rank, name, kind)
+        assert {s.args["path"] for s in rank_spans if s.kind == "sync"} == {"PS", "SFB"}
+    summary = trace.summarize(spans)
+    for row in summary["layers"]:
+        network = [s for r in spans.values() for s in r if s.kind == "network" and s.name == row["layer"]]
+        comm_ms = sum(s.duration_ns for s in network) / 1e6 / (iters * cluster.world_size)
+        assert abs(row["comm_ms_per_iteration"] - comm_ms) < 1e-6
+        engine_bytes = [b[row["layer"]] for r in results for b in r["bytes_by_syncer"]]
+        assert row["bytes_per_iteration"] == pytest.approx(sum(engine_bytes) / len(engine_bytes))
+    assert summary["iterations"] == iters and summary["ranks"] == cluster.world_size

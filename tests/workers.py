@@ -137,7 +137,7 @@ def failing_sync_job(rank: int, world_size: int, layer: str, path: str) -> dict:
     engine = wrapped._engine
     if rank == 0:
         index = next(s.index for s in wrapped.syncers if s.name == layer)
-        owner, attr = (engine, "_average") if path == "PS" else (engine.fc_layers[index], "sync")
+        owner, attr = (engine, "_average") if path == "PS" else (engine.fc_layers[index], "exchange")
         original = getattr(owner, attr)
 
         def broken(*args):
@@ -227,3 +227,65 @@ def plan_printout(rank: int, world_size: int, link) -> tuple[str, str]:
     except ValueError as exc:
         error = str(exc)
     return text, error
+
+
+def replan_on_new_k(rank: int, world_size: int, link, sizes: tuple[int, ...]) -> list[dict]:
+    """Train one step per entry of ``sizes`` (samples per rank); record each step's plan."""
+    spec = ModelSpec(in_features=64, widths=(64,), out_features=4)
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, link=link)
+    plans = []
+    for step, size in enumerate(sizes):
+        x, y = batch(spec, step, size, world_size)
+        F.mse_loss(wrapped(shard(x, rank, size)), shard(y, rank, size)).backward()
+        plans.append({p.layer.name: (p.layer.k, p.path) for p in wrapped.plan.layers})
+    wrapped.close()
+    return plans
+
+
+def traced_training(rank: int, world_size: int, trace_dir: str, iters: int) -> dict:
+    """Train the example-like CNN with the tracer on for ``iters`` iterations after one skipped."""
+    spec = ModelSpec(conv_channels=(4,), batchnorm=True, widths=(64, 32), image=6)
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, trace_dir=trace_dir, trace_skip=1, trace_iters=iters,
+                          link=slow_link(), fusion_bytes=0)
+    sent = []
+    for step in range(1 + iters):
+        x, y = batch(spec, step, 2, world_size)
+        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+        sent.append(dict(wrapped.comm_stats.bytes_by_syncer))
+    names = [s.name for s in wrapped.syncers]
+    wrapped.close()
+    return {"syncers": names, "bytes_by_syncer": sent[1:]}
+
+
+def slow_link():
+    """A link on which bytes dominate, so SFB wins for FC layers with small K."""
+    from poseidon_torch import LinkModel
+
+    return LinkModel.from_gbps(0.01, latency_us=1.0)
+
+
+def train_pair_cuda(rank: int, world_size: int, spec: ModelSpec, steps: int, size: int, backend: str,
+                    force: str) -> dict:
+    """Like ``train_pair`` with the model and data on a GPU; ``backend``: "gloo" (staged through pinned
+    host buffers) or "nccl" (one GPU per rank)."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    group = dist.new_group(backend=backend)
+    out = {}
+    for wrapper in ("poseidon", "ddp"):
+        model = build(spec, seed=spec.seed).to(device)
+        wrapped = (PoseidonDDP(model, timeout=60, process_group=group, **poseidon_options(model, {"force": force}))
+                   if wrapper == "poseidon" else DDP(model, process_group=group))
+        opt = torch.optim.SGD(wrapped.parameters(), **OPTIMIZER)
+        for step in range(steps):
+            x, y = batch(spec, step, size, world_size)
+            opt.zero_grad()
+            F.mse_loss(wrapped(shard(x, rank, size).to(device)), shard(y, rank, size).to(device)).backward()
+            opt.step()
+        torch.cuda.synchronize()
+        out[wrapper] = {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    return out

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The README's results table: 2 and 4 emulated hosts x 1 and 10 Gbit/s x the three workloads, each with
+# compute-only, torch DDP, PoseidonDDP PS-only and PoseidonDDP hybrid in one invocation.
+# Needs root (network namespaces + tc); takes about 20-30 minutes on a 2-core machine.
+#   bash benchmarks/matrix.sh [OUT_DIR]
+set -euo pipefail
+out=${1:-bench_out}
+export POSEIDON_TRACE_SKIP=4 POSEIDON_TRACE_ITERS=8   # trace part of the timed loop for the overlap column
+for hosts in 2 4; do
+  for bw in 1gbit 10gbit; do
+    python -m poseidon_torch.bench --mode netns --hosts "$hosts" --bandwidth "$bw" --workload all \
+      --iters 12 --warmup 3 --out "$out/h${hosts}_${bw}"
+  done
+done
