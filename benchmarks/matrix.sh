@@ -12,3 +12,6 @@ for hosts in 2 4; do
       --iters 12 --warmup 3 --out "$out/h${hosts}_${bw}"
   done
 done
+python -m poseidon_torch.bench.report "$out"/h2_1gbit/results.json "$out"/h2_10gbit/results.json \
+  "$out"/h4_1gbit/results.json "$out"/h4_10gbit/results.json > "$out/table.md"
+cat "$out/table.md"

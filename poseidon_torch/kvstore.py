@@ -55,7 +55,7 @@ def plan_chunks(syncer_numels: Sequence[int], element_size: int, world_size: int
 
 
 def bytes_sent_by(rank: int, chunks: Sequence[Chunk], element_size: int, world_size: int) -> int:
-    """The formula: what ``push_pull`` sends from ``rank`` for one syncer."""
+    """The formula: what ``ShardedKVStore.push_pull`` sends from ``rank`` for one syncer."""
     total = 0
     for c in chunks:
         size = (c.stop - c.start) * element_size
@@ -63,13 +63,35 @@ def bytes_sent_by(rank: int, chunks: Sequence[Chunk], element_size: int, world_s
     return total
 
 
-def push_pull(flat: torch.Tensor, chunks: Sequence[Chunk], rank: int, world_size: int, group) -> int:
-    """Average ``flat`` over all ranks in place through the sharded store; returns the bytes sent,
-    counted from the tensors actually handed to ``isend``."""
-    received, pushed = _push(flat, chunks, rank, world_size, group)
-    for chunk, contributions in received.items():
-        _aggregate_into(flat[chunk.start:chunk.stop], contributions, world_size)
-    return pushed + _pull(flat, chunks, rank, world_size, group)
+class ShardedKVStore:
+    """The chunk plan of all syncers, and this rank's inbox: one receive buffer per peer for every
+    chunk it owns, allocated on first use and kept, so the hot path allocates nothing (about one model
+    size of memory per rank, as torch DDP's buckets)."""
+
+    def __init__(self, syncer_numels: Sequence[int], element_size: int, rank: int, world_size: int,
+                 chunk_bytes: int) -> None:
+        self.rank, self.world_size, self.element_size = rank, world_size, element_size
+        self.chunks = plan_chunks(syncer_numels, element_size, world_size, chunk_bytes)
+        self._inbox: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+
+    def bytes_formula(self, syncer_index: int) -> int:
+        return bytes_sent_by(self.rank, self.chunks[syncer_index], self.element_size, self.world_size)
+
+    def push_pull(self, syncer_index: int, flat: torch.Tensor, group) -> int:
+        """Average ``flat`` over all ranks in place through the sharded store; returns the bytes sent,
+        counted from the tensors actually handed to ``isend``."""
+        chunks = self.chunks[syncer_index]
+        received, pushed = _push(flat, chunks, self.rank, self.world_size, group,
+                                 lambda c, piece: self._inbox_for(syncer_index, c, piece))
+        for chunk, contributions in received.items():
+            _aggregate_into(flat[chunk.start:chunk.stop], contributions, self.world_size)
+        return pushed + _pull(flat, chunks, self.rank, self.world_size, group)
+
+    def _inbox_for(self, syncer_index: int, chunk: Chunk, piece: torch.Tensor) -> dict[int, torch.Tensor]:
+        key = (syncer_index, chunk.tag)
+        if key not in self._inbox:
+            self._inbox[key] = {peer: torch.empty_like(piece) for peer in _peers(self.rank, self.world_size)}
+        return self._inbox[key]
 
 
 def _peers(rank: int, world_size: int) -> list[int]:
@@ -96,14 +118,14 @@ def _run(ops: list[dist.P2POp]) -> int:
     return sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
 
 
-def _push(flat, chunks, rank, world_size, group) -> tuple[dict[Chunk, dict[int, torch.Tensor]], int]:
+def _push(flat, chunks, rank, world_size, group, inbox) -> tuple[dict[Chunk, dict[int, torch.Tensor]], int]:
     sends: dict[int, list] = {}
     recvs: dict[int, list] = {}
     received = {}
     for c in chunks:
         piece = flat[c.start:c.stop]
         if c.owner == rank:
-            received[c] = {peer: torch.empty_like(piece) for peer in _peers(rank, world_size)}
+            received[c] = inbox(c, piece)
             for peer, buf in received[c].items():
                 recvs.setdefault(peer, []).append(dist.P2POp(dist.irecv, buf, peer, group, c.tag))
         else:

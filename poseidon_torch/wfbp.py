@@ -57,8 +57,8 @@ class WFBPEngine:
         self.armed = False
         self._staged = staged
         self._flat = [s.new_flat_buffer(pin_memory=staged) for s in self.syncers]
-        self._chunks = kvstore.plan_chunks([s.numel for s in self.syncers], self._element_size(),
-                                           world_size, chunk_bytes)
+        self._store = kvstore.ShardedKVStore([s.numel for s in self.syncers], self._element_size(), rank,
+                                             world_size, chunk_bytes)
         self._where = {id(p): (s.index, j) for s in self.syncers for j, p in enumerate(s.params)}
         self.barrier = BSPBarrier([s.name for s in self.syncers])
         self._lock = threading.Lock()
@@ -226,7 +226,7 @@ class WFBPEngine:
     def _average(self, syncer: Syncer, flat: torch.Tensor, group: object) -> int:
         if self.world_size == 1:
             return 0
-        return kvstore.push_pull(flat, self._chunks[syncer.index], self.rank, self.world_size, group)
+        return self._store.push_pull(syncer.index, flat, group)
 
     @contextlib.contextmanager
     def _device_stream(self, channel_index: int, s_idx: int):

@@ -181,14 +181,12 @@ def _time_failing_step(wrapped: PoseidonDDP, spec: ModelSpec) -> dict:
 
 
 def bytes_per_iteration(rank: int, world_size: int, chunk_bytes: int) -> dict:
-    from poseidon_torch import kvstore
-
     spec = ModelSpec(conv_channels=(4,), widths=(64, 32), image=6, batchnorm=True)
     wrapped = PoseidonDDP(build(spec, seed=0), timeout=60, chunk_bytes=chunk_bytes, hybrid=False)
     x, y = batch(spec, 0, 2, world_size)
     F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
     engine = wrapped._engine
-    formula = sum(kvstore.bytes_sent_by(rank, chunks, 4, world_size) for chunks in engine._chunks)
+    formula = sum(engine._store.bytes_formula(s.index) for s in wrapped.syncers)
     numels = [s.numel for s in wrapped.syncers]
     sent = wrapped.comm_stats.bytes_sent_last_iteration
     wrapped.close()

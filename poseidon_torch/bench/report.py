@@ -1,0 +1,48 @@
+"""Markdown results table from benchmark runs: one row per (hosts, bandwidth, workload, mode).
+
+    python -m poseidon_torch.bench.report bench_out/*/results.json
+
+Invariant: every number is read from the runs' ``results.json``; nothing is recomputed but the
+ratio of each mode's iteration time to the compute-only lower bound, which the runner also reports.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HEADER = ("| hosts | link | workload | mode | iteration ms | samples/s | vs DDP | MB/iter/host | x bound | overlap |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+
+
+def rows(path: Path) -> list[str]:
+    results = json.loads(path.read_text())
+    config = results["config"]
+    out = []
+    for workload, entry in results["workloads"].items():
+        for mode, run in entry["modes"].items():
+            if "error" in run:
+                out.append(f"| {config['hosts']} | {config['bandwidth']} | {workload} | {mode} | failed | | | | | |")
+                continue
+            overlap = run.get("overlap")
+            out.append("| {} | {} | {} | {} | {:.0f} | {:.0f} | {:.2f}x | {:.2f} | {:.2f} | {} |".format(
+                config["hosts"], config["bandwidth"], workload, mode, run["median_iter_s"] * 1e3,
+                run["samples_per_s"], run.get("ratio_to_ddp", float("nan")),
+                run["bytes_per_iter_per_host"] / 1e6, run.get("ratio_to_lower_bound", float("nan")),
+                "-" if overlap is None else f"{overlap:.0%}"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
+    if not paths:
+        print("usage: python -m poseidon_torch.bench.report RESULTS.json ...", file=sys.stderr)
+        return 2
+    print(HEADER)
+    for path in paths:
+        print("\n".join(rows(path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
