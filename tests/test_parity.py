@@ -70,3 +70,9 @@ def test_rank_dependent_init_follows_rank0(cluster):
     spec = ModelSpec(conv_channels=(3,), batchnorm=True, widths=(6,), image=4)
     results = cluster.run(workers.train_pair, spec, STEPS, 2, 1, True)
     assert_parity(results, spec, 2, cluster.world_size)
+
+
+def test_state_dict_behaves_as_ddp(cluster):
+    for r in cluster.run(workers.state_dict_roundtrip):
+        assert r["ours"] == r["ddp"]
+        assert r["restored"] and r["module_is_model"]

@@ -45,3 +45,8 @@ def test_real_trace_covers_every_layer_and_rank_and_summary_agrees(cluster, tmp_
         engine_bytes = [b[row["layer"]] for r in results for b in r["bytes_by_syncer"]]
         assert row["bytes_per_iteration"] == pytest.approx(sum(engine_bytes) / len(engine_bytes))
     assert summary["iterations"] == iters and summary["ranks"] == cluster.world_size
+
+
+def test_user_profiler_sees_every_sync_job(cluster):
+    for r in cluster.run(workers.profiled_step):
+        assert r["events"] == r["expected"]

@@ -287,3 +287,33 @@ def train_pair_cuda(rank: int, world_size: int, spec: ModelSpec, steps: int, siz
         torch.cuda.synchronize()
         out[wrapper] = {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
     return out
+
+
+def profiled_step(rank: int, world_size: int) -> dict:
+    """One step under the user's torch.profiler (all threads): the sync ranges must show."""
+    model = build(ModelSpec(in_features=32, widths=(32,), out_features=4), seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0)
+    config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    x, y = batch(ModelSpec(in_features=32, widths=(32,), out_features=4), 0, 4, world_size)
+    with torch.profiler.profile(experimental_config=config) as prof:
+        F.mse_loss(wrapped(x), y[:, :4]).backward()
+    paths = wrapped.plan.paths_by_layer() if wrapped.plan else {s.name: "PS" for s in wrapped.syncers}
+    wrapped.close()
+    return {"events": sorted({e.name for e in prof.events() if e.name.startswith("poseidon.")}),
+            "expected": sorted(f"poseidon.sync.{path}.{name}" for name, path in paths.items())}
+
+
+def state_dict_roundtrip(rank: int, world_size: int) -> dict:
+    """PoseidonDDP's state_dict has DDP's keys; loading one restores the wrapped module exactly."""
+    spec = ModelSpec(conv_channels=(3,), batchnorm=True, widths=(6,), image=4)
+    ours = PoseidonDDP(build(spec, seed=0), timeout=60)
+    theirs = DDP(build(spec, seed=0))
+    saved = {k: v.clone() for k, v in ours.state_dict().items()}
+    with torch.no_grad():
+        for p in ours.module.parameters():
+            p.add_(1.0)
+    ours.load_state_dict(saved)
+    restored = all(torch.equal(v, saved[k]) for k, v in ours.state_dict().items())
+    ours.close()
+    return {"ours": sorted(saved), "ddp": sorted(theirs.state_dict()), "restored": restored,
+            "module_is_model": isinstance(ours.module, torch.nn.Module) and "module.head.weight" in saved}
