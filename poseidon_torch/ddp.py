@@ -12,6 +12,7 @@ average over all ranks (BSP). Invariants:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -30,6 +31,16 @@ from .wfbp import CommStats, WFBPEngine
 
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 DEFAULT_FUSION_BYTES = 256 * 1024
+DEFAULT_NUM_CHANNELS = 2
+
+
+def _from_env(value: int | None, name: str, default: int) -> int:
+    """An option given in code wins; else ``POSEIDON_<NAME>`` from the environment; else the default."""
+    if value is not None:
+        return value
+    text = os.environ.get(f"POSEIDON_{name}", "").strip()
+    return int(text) if text else default
+
 
 
 class PoseidonDDP(nn.Module):
@@ -37,9 +48,12 @@ class PoseidonDDP(nn.Module):
 
     Args:
         module: the model, already on its device (CPU, or one CUDA device per process).
-        chunk_bytes: size of the pieces the gradient space is cut into for the KV store shards.
-        fusion_bytes: adjacent layers smaller than this together are synced as one job.
-        num_channels: sync threads, each with its own process group.
+        chunk_bytes: size of the pieces the gradient space is cut into for the KV store shards
+            (default 2 MiB, or ``POSEIDON_CHUNK_BYTES``).
+        fusion_bytes: adjacent layers smaller than this together are synced as one job (default
+            256 KiB, or ``POSEIDON_FUSION_BYTES``).
+        num_channels: sync threads, each with its own process group (default 2, or
+            ``POSEIDON_NUM_CHANNELS``).
         timeout: seconds any wait may take before the step fails (dead or stuck peer).
         broadcast_buffers: copy rank 0's buffers to every rank at each training forward, as DDP does.
         process_group: the group to train over (default: the world).
@@ -51,8 +65,8 @@ class PoseidonDDP(nn.Module):
         trace_dir, trace_skip, trace_iters: switch the tracer on (see ``poseidon_torch.tracer``).
     """
 
-    def __init__(self, module: nn.Module, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 fusion_bytes: int = DEFAULT_FUSION_BYTES, num_channels: int = 2,
+    def __init__(self, module: nn.Module, *, chunk_bytes: int | None = None,
+                 fusion_bytes: int | None = None, num_channels: int | None = None,
                  timeout: float = 300.0, broadcast_buffers: bool = True,
                  process_group: Any = None, hybrid: bool = True,
                  overrides: dict[str, str] | None = None, link: LinkModel | None = None,
@@ -61,6 +75,9 @@ class PoseidonDDP(nn.Module):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("PoseidonDDP needs torch.distributed.init_process_group() to be called first")
+        chunk_bytes = _from_env(chunk_bytes, "CHUNK_BYTES", DEFAULT_CHUNK_BYTES)
+        fusion_bytes = _from_env(fusion_bytes, "FUSION_BYTES", DEFAULT_FUSION_BYTES)
+        num_channels = _from_env(num_channels, "NUM_CHANNELS", DEFAULT_NUM_CHANNELS)
         if num_channels < 1 or timeout <= 0 or chunk_bytes <= 0 or fusion_bytes < 0:
             raise ValueError(f"invalid options: num_channels={num_channels}, timeout={timeout}, "
                              f"chunk_bytes={chunk_bytes}, fusion_bytes={fusion_bytes}")
