@@ -427,33 +427,44 @@ class Coordinator:
         self.overrides = dict(overrides or {})
         _check_override_targets(self._layers, self.overrides)
         self.plan: Plan | None = None
-        self.paths = [PS] * len(self._layers)
+        self.paths = [PS] * len(self._layers)  #: this iteration's paths (committed layers forced SFB)
+        self.preferred = [PS] * len(self._layers)  #: what the cost model alone picks for these K's
         self.counts: dict[int, list[int]] = {}
-        self._cache: dict[tuple[int, ...], Plan] = {}
+        self._cache: dict[tuple, tuple[Plan, list[str]]] = {}
 
     def exchange_bytes(self) -> int:
         """Bytes this rank sends per iteration in the K exchange (ring all-gather of int64s)."""
         return (self.world_size - 1) * 8 * len(self.fc_indices)
 
-    def plan_iteration(self, local_k: Sequence[int], group) -> None:
-        """Collective over ``group``: exchange the K's and set ``paths``, ``counts`` and ``plan``."""
+    def plan_iteration(self, local_k: Sequence[int], group, committed: frozenset[int] | set[int] = frozenset()
+                       ) -> None:
+        """Collective over ``group``: exchange the K's and set ``paths``, ``counts`` and ``plan``.
+        ``committed`` layers skipped their local weight gradient in this forward: SFB is forced."""
         mine = torch.tensor(list(local_k), dtype=torch.int64)
         everyone = torch.empty(self.world_size * len(mine), dtype=torch.int64)
         dist.all_gather_into_tensor(everyone, mine, group=group)
         per_layer = everyone.view(self.world_size, -1).t().tolist()
         self.counts = dict(zip(self.fc_indices, per_layer))
-        key = tuple(max(c) if min(c) >= 0 else -1 for c in per_layer)
+        k_max = tuple(max(c) if min(c) >= 0 else -1 for c in per_layer)
+        key = (k_max, frozenset(committed))
         if key not in self._cache:
-            self._cache[key] = self._plan_for(dict(zip(self.fc_indices, key)))
-        self.plan = self._cache[key]
+            by_layer = dict(zip(self.fc_indices, k_max))
+            preferred = [p.path for p in self._plan_for(by_layer, frozenset()).layers]
+            self._cache[key] = (self._plan_for(by_layer, key[1]), preferred)
+        self.plan, self.preferred = self._cache[key]
         self.paths = [p.path for p in self.plan.layers]
 
-    def _plan_for(self, k_max: dict[int, int]) -> Plan:
+    def _plan_for(self, k_max: dict[int, int], committed: frozenset[int]) -> Plan:
         layers, overrides = [], dict(self.overrides)
         for i, layer in enumerate(self._layers):
             k = k_max.get(i, -1)
             layers.append(replace(layer, k=k if k >= 0 else None))
-            if i in k_max and k < 0 and overrides.get(layer.name) == SFB:
+            if i in k_max and k < 0 and i in committed:
+                raise RuntimeError(f"layer {layer.name!r}: some rank accumulated gradients under no_sync "
+                                   "and another did not; all ranks must use no_sync alike")
+            if i in committed:
+                overrides[layer.name] = SFB
+            elif i in k_max and k < 0 and overrides.get(layer.name) == SFB:
                 del overrides[layer.name]  # gradients accumulated under no_sync: PS this time
         return plan_layers(layers, self.world_size, self.link, self.gemm_flops, overrides)
 

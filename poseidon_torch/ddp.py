@@ -142,7 +142,10 @@ class PoseidonDDP(nn.Module):
             buffers = list(self.module.buffers())
             if buffers:
                 broadcast_from_rank0(buffers, self._data, self._staged)
-        output = self.module(*args, **kwargs)
+        try:
+            output = self.module(*args, **kwargs)
+        finally:
+            self._engine.end_forward()
         if armed:
             self._engine.plan_iteration(self._control)
         if self.recorder.active:

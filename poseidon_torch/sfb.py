@@ -22,6 +22,7 @@ Invariants:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -92,9 +93,6 @@ class _Use:
     input: Tensor
     grad_output: Tensor | None = None
 
-    def store_grad(self, grad: Tensor) -> None:
-        self.grad_output = grad
-
 
 def _cat_rows(parts: list[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -109,15 +107,17 @@ class FactorCapture:
     def __init__(self, module: nn.Module, spec: FCSpec) -> None:
         self._module = module
         self._spec = spec
+        self._weight = spec.weight_of(module)  # the parameter itself, even while SFBLayer detaches it
         self._uses: list[_Use] = []
         self.enabled = True  #: off while gradients only accumulate locally (no_sync)
+        self.on_complete: Callable[[], None] | None = None  #: called once every call has its U
         self._handle: RemovableHandle | None = module.register_forward_hook(self._on_forward)
 
     def _on_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         # output.requires_grad implies grad mode; a frozen weight means autograd keeps no input for dW.
         if not self.enabled or not (isinstance(output, Tensor) and output.requires_grad):
             return
-        if not self._spec.weight_of(module).requires_grad:
+        if not self._weight.requires_grad:
             return
         if len(args) <= self._spec.input_arg:
             raise RuntimeError(
@@ -133,7 +133,12 @@ class FactorCapture:
             )
         use = _Use(x.detach())
         self._uses.append(use)
-        output.register_hook(use.store_grad)
+        output.register_hook(lambda grad: self._store(use, grad))
+
+    def _store(self, use: _Use, grad: Tensor) -> None:
+        use.grad_output = grad
+        if self.on_complete is not None and all(u.grad_output is not None for u in self._uses):
+            self.on_complete()
 
     @property
     def num_samples(self) -> int:
@@ -225,10 +230,18 @@ class SFBLayer:
     synced. A gradient hook then keeps this backward's local contribution so the job can produce
     ``old + average(new)`` exactly as an all-reduce of the whole ``.grad`` would. Gradients accumulated
     under ``no_sync`` are NOT the same on every rank: the engine sends such a layer through the PS path.
+
+    With ``detach_weight`` set (the layer is committed to SFB before its forward), the module sees its
+    weight detached during its own calls, so autograd skips the local weight-gradient GEMM that the
+    rebuild would overwrite anyway: the FC layer's gradient work is one GEMM over P K rows instead of K
+    plus P K, and every rank still computes the same bits. The capture then tells the engine when the
+    factors are complete (``capture.on_complete``), since no weight gradient will arrive.
     """
 
     def __init__(self, module: nn.Module, spec: FCSpec, params: list[nn.Parameter]) -> None:
         self.module, self.spec = module, spec
+        self.weight = spec.weight_of(module)
+        self.detach_weight = False
         self.capture = FactorCapture(module, spec)
         self.targets = [(p, role) for p, role in ((spec.weight_of(module), "weight"),
                                                   (_bias_of(module, spec), "bias"))
@@ -236,6 +249,24 @@ class SFBLayer:
         self._fresh: dict[str, Tensor] = {}  # this backward's local gradient, where .grad held a value
         self._fired: set[str] = set()  # roles that received a gradient in this backward
         self._hooks = [p.register_hook(self._keeper(p, role)) for p, role in self.targets]
+        self._hooks += [module.register_forward_pre_hook(self._swap_in),
+                        module.register_forward_hook(lambda *_: self.restore())]
+
+    def _swap_in(self, module: nn.Module, args: tuple) -> None:
+        if not self.detach_weight:
+            return
+        stand_in = self.weight.detach()
+        x = args[self.spec.input_arg] if len(args) > self.spec.input_arg else None
+        bias = _bias_of(module, self.spec)
+        if not ((isinstance(x, Tensor) and x.requires_grad) or (bias is not None and bias.requires_grad)):
+            # no other path into the graph: keep one, or the output would not get the gradient U
+            stand_in.requires_grad_()
+        module._parameters[self.spec.weight] = stand_in
+
+    def restore(self) -> None:
+        """Put the weight parameter back (after the module's call, or after a forward that raised)."""
+        if self.module._parameters[self.spec.weight] is not self.weight:
+            self.module._parameters[self.spec.weight] = self.weight
 
     @property
     def m(self) -> int:
@@ -295,6 +326,7 @@ class SFBLayer:
             param.grad.add_(average)
 
     def remove(self) -> None:
+        self.restore()
         self.capture.remove()
         for hook in self._hooks:
             hook.remove()

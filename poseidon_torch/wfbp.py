@@ -15,6 +15,7 @@ training stream waits on each job's completion event before backward returns.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -72,6 +73,8 @@ class WFBPEngine:
         self._channel_of = {s: ch for ch in self.channels for s in ch.order}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for s in self.syncers for p in s.params]
+        for fc in self.fc_layers.values():
+            fc.capture.on_complete = functools.partial(self._on_factors_complete, fc)
 
     def _element_size(self) -> int:
         sizes = {s.params[0].element_size() for s in self.syncers}
@@ -97,10 +100,20 @@ class WFBPEngine:
     # ---- training thread / autograd side -------------------------------------------------------
 
     def begin_forward(self, armed: bool) -> None:
-        """A forward starts; ``armed``: its backward syncs (grad mode on and not inside no_sync)."""
+        """A forward starts; ``armed``: its backward syncs (grad mode on and not inside no_sync).
+        FC layers the cost model preferred on SFB last iteration are committed to it now: their
+        forward skips the local weight gradient. Every rank commits the same layers (same last plan,
+        same no_sync)."""
         self.armed = armed
-        for fc in self.fc_layers.values():
+        preferred = self.coordinator.preferred if self.coordinator is not None else []
+        for i, fc in self.fc_layers.items():
             fc.capture.enabled = armed
+            fc.detach_weight = armed and preferred[i] == SFB and i not in self._accumulated
+
+    def end_forward(self) -> None:
+        """Undo any weight swap a forward that raised left behind."""
+        for fc in self.fc_layers.values():
+            fc.restore()
 
     def plan_iteration(self, control_group) -> None:
         """After an armed forward: agree with all ranks on each syncer's path for the coming backward."""
@@ -108,7 +121,14 @@ class WFBPEngine:
             return
         local_k = [-1 if i in self._accumulated else self.fc_layers[i].capture.num_samples
                    for i in self.coordinator.fc_indices]
-        self.coordinator.plan_iteration(local_k, control_group)
+        committed = {i for i, fc in self.fc_layers.items() if fc.detach_weight}
+        self.coordinator.plan_iteration(local_k, control_group, committed)
+
+    def _on_factors_complete(self, fc: SFBLayer) -> None:
+        """A committed layer's weight gets no autograd gradient: its factors being complete is its
+        readiness."""
+        if fc.detach_weight:
+            self._on_grad_ready(fc.weight)
 
     def _path_of(self, s_idx: int) -> str:
         return self.coordinator.paths[s_idx] if self.coordinator is not None else PS

@@ -87,3 +87,12 @@ def test_coordinator_replans_when_k_changes(cluster):
     plans = cluster.run(workers.replan_on_new_k, SLOW_LINK, (64, 64, 2))[0]
     assert plans[0]["body.0"] == (64, "PS") and plans[1] == plans[0]
     assert plans[2]["body.0"] == (2, "SFB")
+
+
+def test_committed_sfb_layers_skip_the_local_weight_gradient(cluster):
+    """After a step on SFB, the layer's forward skips autograd's dW (the rebuild computes it); when K
+    grows the committed step still finishes on SFB and the next one switches to PS."""
+    steps = cluster.run(workers.commit_and_switch, SLOW_LINK, (2, 64, 64))[0]
+    assert [s["plan"] for s in steps] == ["SFB", "SFB", "PS"]
+    assert [s["local_dw"] for s in steps] == [True, False, True]
+    assert all(s["max_grad_diff"] < 1e-6 for s in steps), steps

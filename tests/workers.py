@@ -317,3 +317,27 @@ def state_dict_roundtrip(rank: int, world_size: int) -> dict:
     ours.close()
     return {"ours": sorted(saved), "ddp": sorted(theirs.state_dict()), "restored": restored,
             "module_is_model": isinstance(ours.module, torch.nn.Module) and "module.head.weight" in saved}
+
+
+def commit_and_switch(rank: int, world_size: int, link, sizes: tuple[int, ...]) -> list[dict]:
+    """Per step: the plan of body.0, whether autograd computed its local weight gradient, and the
+    largest difference of every .grad from torch DDP's on the same data."""
+    spec = ModelSpec(in_features=64, widths=(64,), out_features=4)
+    ours_model, ddp_model = build(spec, seed=0), build(spec, seed=0)
+    ours = PoseidonDDP(ours_model, timeout=60, fusion_bytes=0, link=link)
+    theirs = DDP(ddp_model)
+    local_dw: list[bool] = []
+    ours_model.body[0].weight.register_hook(lambda grad: local_dw.append(True))
+    steps = []
+    for step, size in enumerate(sizes):
+        x, y = batch(spec, step, size, world_size)
+        local_dw.clear()
+        for model, wrapped in ((ours_model, ours), (ddp_model, theirs)):
+            model.zero_grad()
+            F.mse_loss(wrapped(shard(x, rank, size)), shard(y, rank, size)).backward()
+        worst = max((a.grad - b.grad).abs().max().item()
+                    for a, b in zip(ours_model.parameters(), ddp_model.parameters()))
+        steps.append({"plan": ours.plan.paths_by_layer()["body.0"], "local_dw": bool(local_dw),
+                      "max_grad_diff": worst})
+    ours.close()
+    return steps
