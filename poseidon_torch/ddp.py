@@ -23,6 +23,7 @@ from torch import nn
 
 from .barrier import SyncError
 from .coordinator import Coordinator, LayerInfo, LinkModel, Plan, probe_gemm_flops, probe_link
+from .pools import ChannelGroups
 from .replicas import broadcast_from_rank0, check_same_model
 from .sfb import SFBLayer, sfb_layers
 from .syncer import build_syncers
@@ -100,7 +101,7 @@ class PoseidonDDP(nn.Module):
         self._staged = device.type == "cuda" and backend == "gloo"
         self._data = dist.new_group(ranks, timeout=deadline, backend=backend)
         broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), self._data, self._staged)
-        channel_groups = [dist.new_group(ranks, timeout=deadline, backend=backend) for _ in range(num_channels)]
+        channel_groups = [ChannelGroups.create(ranks, backend, deadline) for _ in range(num_channels)]
         self.recorder = Recorder(trace, self.rank, self.world_size, self._control)
         self.syncers = build_syncers(module, fusion_bytes)
         fc_layers = sfb_layers(self.syncers, module) if hybrid and self.world_size > 1 else {}

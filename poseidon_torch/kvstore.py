@@ -26,6 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .pools import ChannelGroups
+
+#: A point-to-point message: (dist.isend or dist.irecv, tensor, peer rank, tag).
+Message = tuple
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -77,15 +82,15 @@ class ShardedKVStore:
     def bytes_formula(self, syncer_index: int) -> int:
         return bytes_sent_by(self.rank, self.chunks[syncer_index], self.element_size, self.world_size)
 
-    def push_pull(self, syncer_index: int, flat: torch.Tensor, group) -> int:
+    def push_pull(self, syncer_index: int, flat: torch.Tensor, groups: ChannelGroups) -> int:
         """Average ``flat`` over all ranks in place through the sharded store; returns the bytes sent,
         counted from the tensors actually handed to ``isend``."""
         chunks = self.chunks[syncer_index]
-        received, pushed = _push(flat, chunks, self.rank, self.world_size, group,
+        received, pushed = _push(flat, chunks, self.rank, self.world_size, groups,
                                  lambda c, piece: self._inbox_for(syncer_index, c, piece))
         for chunk, contributions in received.items():
             _aggregate_into(flat[chunk.start:chunk.stop], contributions, self.world_size)
-        return pushed + _pull(flat, chunks, self.rank, self.world_size, group)
+        return pushed + _pull(flat, chunks, self.rank, self.world_size, groups)
 
     def _inbox_for(self, syncer_index: int, chunk: Chunk, piece: torch.Tensor) -> dict[int, torch.Tensor]:
         key = (syncer_index, chunk.tag)
@@ -98,39 +103,45 @@ def _peers(rank: int, world_size: int) -> list[int]:
     return [r for r in range(world_size) if r != rank]
 
 
-def _run_staggered(sends: dict[int, list[dist.P2POp]], recvs: dict[int, list[dist.P2POp]], rank: int,
-                   world_size: int) -> int:
-    """Run the ops in P - 1 rounds: in round i this rank sends only to rank + i and receives only from
-    rank - i, so every link carries one flow at a time (no incast at an owner). Returns bytes sent."""
+def _run_staggered(sends: dict[int, list[Message]], recvs: dict[int, list[Message]], rank: int,
+                   world_size: int, groups: ChannelGroups) -> int:
+    """Run the messages in P - 1 rounds: in round i this rank sends only to rank + i and receives only
+    from rank - i, so every link carries one flow at a time (no incast at an owner). Returns bytes
+    sent."""
     sent = 0
     for shift in range(1, world_size):
         to, frm = (rank + shift) % world_size, (rank - shift) % world_size
-        sent += _run(sends.get(to, []) + recvs.get(frm, []))
+        sent += _run(sends.get(to, []) + recvs.get(frm, []), rank, groups)
     return sent
 
 
-def _run(ops: list[dist.P2POp]) -> int:
-    """Issue the point-to-point ops as one batch, wait for all; returns the bytes this rank sent."""
-    if not ops:
+def _run(messages: list[Message], rank: int, groups: ChannelGroups) -> int:
+    """Issue the messages, each on the group of its direction, and wait for all; returns bytes sent."""
+    if not messages:
         return 0
-    for work in dist.batch_isend_irecv(ops):
+    if groups.batched:
+        works = dist.batch_isend_irecv([dist.P2POp(op, t, peer, groups.up, tag) for op, t, peer, tag in messages])
+    else:
+        works = [op(t, peer, group=groups.for_message(*((rank, peer) if op is dist.isend else (peer, rank))),
+                    tag=tag) for op, t, peer, tag in messages]
+    for work in works:
         work.wait()
-    return sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+    return sum(t.numel() * t.element_size() for op, t, _, _ in messages if op is dist.isend)
 
 
-def _push(flat, chunks, rank, world_size, group, inbox) -> tuple[dict[Chunk, dict[int, torch.Tensor]], int]:
-    sends: dict[int, list] = {}
-    recvs: dict[int, list] = {}
+def _push(flat, chunks, rank, world_size, groups, inbox) -> tuple[dict[Chunk, dict[int, torch.Tensor]], int]:
+    sends: dict[int, list[Message]] = {}
+    recvs: dict[int, list[Message]] = {}
     received = {}
     for c in chunks:
         piece = flat[c.start:c.stop]
         if c.owner == rank:
             received[c] = inbox(c, piece)
             for peer, buf in received[c].items():
-                recvs.setdefault(peer, []).append(dist.P2POp(dist.irecv, buf, peer, group, c.tag))
+                recvs.setdefault(peer, []).append((dist.irecv, buf, peer, c.tag))
         else:
-            sends.setdefault(c.owner, []).append(dist.P2POp(dist.isend, piece, c.owner, group, c.tag))
-    return received, _run_staggered(sends, recvs, rank, world_size)
+            sends.setdefault(c.owner, []).append((dist.isend, piece, c.owner, c.tag))
+    return received, _run_staggered(sends, recvs, rank, world_size, groups)
 
 
 def _aggregate_into(own: torch.Tensor, contributions: dict[int, torch.Tensor], world_size: int) -> None:
@@ -140,14 +151,14 @@ def _aggregate_into(own: torch.Tensor, contributions: dict[int, torch.Tensor], w
     own.div_(world_size)
 
 
-def _pull(flat, chunks, rank, world_size, group) -> int:
-    sends: dict[int, list] = {}
-    recvs: dict[int, list] = {}
+def _pull(flat, chunks, rank, world_size, groups) -> int:
+    sends: dict[int, list[Message]] = {}
+    recvs: dict[int, list[Message]] = {}
     for c in chunks:
         piece = flat[c.start:c.stop]
         if c.owner == rank:
             for peer in _peers(rank, world_size):
-                sends.setdefault(peer, []).append(dist.P2POp(dist.isend, piece, peer, group, c.tag))
+                sends.setdefault(peer, []).append((dist.isend, piece, peer, c.tag))
         else:
-            recvs.setdefault(c.owner, []).append(dist.P2POp(dist.irecv, piece, c.owner, group, c.tag))
-    return _run_staggered(sends, recvs, rank, world_size)
+            recvs.setdefault(c.owner, []).append((dist.irecv, piece, c.owner, c.tag))
+    return _run_staggered(sends, recvs, rank, world_size, groups)

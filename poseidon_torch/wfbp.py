@@ -27,7 +27,7 @@ from torch import nn
 from . import kvstore
 from .barrier import BSPBarrier
 from .coordinator import PS, SFB, Coordinator
-from .pools import StreamPool, SyncChannel, assign_round_robin
+from .pools import ChannelGroups, StreamPool, SyncChannel, assign_round_robin
 from .sfb import SFBLayer
 from .syncer import Syncer
 from .tracer import Recorder
@@ -44,7 +44,7 @@ class CommStats:
 
 
 class WFBPEngine:
-    def __init__(self, syncers: Sequence[Syncer], channel_groups: Sequence[object], rank: int,
+    def __init__(self, syncers: Sequence[Syncer], channel_groups: Sequence[ChannelGroups], rank: int,
                  world_size: int, chunk_bytes: int, timeout: float, staged: bool,
                  recorder: Recorder, fc_layers: dict[int, SFBLayer] | None = None,
                  coordinator: Coordinator | None = None) -> None:
@@ -200,7 +200,7 @@ class WFBPEngine:
 
     # ---- pool thread side ------------------------------------------------------------------------
 
-    def _run_job(self, s_idx: int, group: object, ready_ns: int) -> None:
+    def _run_job(self, s_idx: int, groups: ChannelGroups, ready_ns: int) -> None:
         syncer, flat = self.syncers[s_idx], self._flat[s_idx]
         channel = self._channel_of[s_idx]
         lane = f"channel-{channel.index}"
@@ -209,9 +209,9 @@ class WFBPEngine:
         with torch.profiler.record_function(f"poseidon.sync.{path}.{syncer.name}"), \
                 self._device_stream(channel.index, s_idx) as stream:
             if path == SFB:
-                net_start, net_end, sent = self._sync_sfb(self.fc_layers[s_idx], s_idx, group, lane)
+                net_start, net_end, sent = self._sync_sfb(self.fc_layers[s_idx], s_idx, groups.up, lane)
             else:
-                net_start, net_end, sent = self._sync_ps(syncer, flat, group, stream, f"stream-{channel.index}")
+                net_start, net_end, sent = self._sync_ps(syncer, flat, groups, stream, f"stream-{channel.index}")
             if stream is not None:
                 self._done_events[s_idx].record(stream)
         self._bytes[s_idx] = sent
@@ -227,7 +227,7 @@ class WFBPEngine:
             self.recorder.add("rebuild", self.syncers[s_idx].name, lane, net_end, time.monotonic_ns())
         return net_start, net_end, sent
 
-    def _sync_ps(self, syncer: Syncer, flat: torch.Tensor, group: object, stream,
+    def _sync_ps(self, syncer: Syncer, flat: torch.Tensor, groups: ChannelGroups, stream,
                  stream_lane: str) -> tuple[int, int, int]:
         if syncer.index in self.fc_layers:
             self.fc_layers[syncer.index].discard()
@@ -238,15 +238,15 @@ class WFBPEngine:
             if self.recorder.active:
                 self.recorder.add("d2h", syncer.name, stream_lane, copy_start, time.monotonic_ns())
         net_start = time.monotonic_ns()
-        sent = self._average(syncer, flat, group)
+        sent = self._average(syncer, flat, groups)
         net_end = time.monotonic_ns()
         syncer.scatter_grads(flat)
         return net_start, net_end, sent
 
-    def _average(self, syncer: Syncer, flat: torch.Tensor, group: object) -> int:
+    def _average(self, syncer: Syncer, flat: torch.Tensor, groups: ChannelGroups) -> int:
         if self.world_size == 1:
             return 0
-        return self._store.push_pull(syncer.index, flat, group)
+        return self._store.push_pull(syncer.index, flat, groups)
 
     @contextlib.contextmanager
     def _device_stream(self, channel_index: int, s_idx: int):
