@@ -1,9 +1,9 @@
 """Sharded key-value store colocated with the workers: Poseidon's parameter-server path.
 
 The flattened gradient space (every syncer's flat buffer, in syncer order) is cut into chunks of at most
-``chunk_bytes`` (2 MB by default). Chunks never straddle two syncers, so each syncer's sync is
-independent. Every chunk has one owner shard (one shard per rank), chosen greedily: the shard that owns
-the fewest bytes so far takes the next chunk, ties to the lowest rank. All ranks compute the same plan.
+``chunk_bytes`` (2 MB by default), dealt round-robin over the shards (one shard per rank). Chunks never
+straddle two syncers, so each syncer's sync is independent; a syncer smaller than P chunks is cut into P
+equal chunks, so every shard carries an equal share of every sync. All ranks compute the same plan.
 
 One sync of a syncer, on the channel's process group, with P ranks:
 - push: every rank sends each chunk it does not own to the chunk's owner (point-to-point);
@@ -40,21 +40,27 @@ class Chunk:
     tag: int    # message tag, unique within the syncer
 
 
+#: No chunk smaller than this is cut off a syncer just to spread it: tiny messages are latency-bound.
+MIN_CHUNK_BYTES = 16 * 1024
+
+
 def plan_chunks(syncer_numels: Sequence[int], element_size: int, world_size: int,
                 chunk_bytes: int) -> list[list[Chunk]]:
-    """Cut each syncer's flat buffer into chunks and spread them evenly (by bytes) over the shards."""
+    """Cut each syncer's flat buffer into chunks of at most ``chunk_bytes`` and deal them round-robin
+    over the shards (chunk i of the whole gradient space goes to shard i mod P). A syncer smaller than
+    P chunks is cut into P equal chunks (none under ``MIN_CHUNK_BYTES``), so every shard takes an equal
+    share of every sync: syncs run one after another, and a sync lasts as long as its busiest owner."""
     if chunk_bytes < element_size:
         raise ValueError(f"chunk_bytes={chunk_bytes} is smaller than one element ({element_size} bytes)")
-    chunk_elems = chunk_bytes // element_size
-    load = [0] * world_size
-    plan = []
+    max_elems = chunk_bytes // element_size
+    min_elems = max(1, MIN_CHUNK_BYTES // element_size)
+    plan, dealt = [], 0
     for numel in syncer_numels:
+        elems = min(max_elems, max(-(-numel // world_size), min_elems))
         chunks = []
-        for tag, start in enumerate(range(0, numel, chunk_elems)):
-            stop = min(start + chunk_elems, numel)
-            owner = min(range(world_size), key=lambda r: (load[r], r))
-            load[owner] += (stop - start) * element_size
-            chunks.append(Chunk(start, stop, owner, tag))
+        for tag, start in enumerate(range(0, numel, elems)):
+            chunks.append(Chunk(start, min(start + elems, numel), (dealt + tag) % world_size, tag))
+        dealt += len(chunks)
         plan.append(chunks)
     return plan
 

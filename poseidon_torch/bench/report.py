@@ -24,13 +24,17 @@ def rows(path: Path) -> list[str]:
             if "error" in run:
                 out.append(f"| {config['hosts']} | {config['bandwidth']} | {workload} | {mode} | failed | | | | | |")
                 continue
-            overlap = run.get("overlap")
-            out.append("| {} | {} | {} | {} | {:.0f} | {:.0f} | {:.2f}x | {:.2f} | {:.2f} | {} |".format(
+            out.append("| {} | {} | {} | {} | {:.0f} | {:.0f} | {} | {:.2f} | {} | {} |".format(
                 config["hosts"], config["bandwidth"], workload, mode, run["median_iter_s"] * 1e3,
-                run["samples_per_s"], run.get("ratio_to_ddp", float("nan")),
-                run["bytes_per_iter_per_host"] / 1e6, run.get("ratio_to_lower_bound", float("nan")),
-                "-" if overlap is None else f"{overlap:.0%}"))
+                run["samples_per_s"], _or_dash(run.get("ratio_to_ddp"), "{:.2f}x"),
+                run["bytes_per_iter_per_host"] / 1e6, _or_dash(run.get("ratio_to_lower_bound"), "{:.2f}"),
+                _or_dash(run.get("overlap"), "{:.0%}")))
     return out
+
+
+def _or_dash(value: float | None, fmt: str) -> str:
+    """A missing number (its run failed, or it had nothing to measure) prints as "-"."""
+    return "-" if value is None else fmt.format(value)
 
 
 def main(argv: list[str] | None = None) -> int:
