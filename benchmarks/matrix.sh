@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's results table: 2 and 4 emulated hosts x 1 and 10 Gbit/s x the three workloads, each with
 # compute-only, torch DDP, PoseidonDDP PS-only and PoseidonDDP hybrid in one invocation.
-# Needs root (network namespaces + tc); takes about 20-30 minutes on a 2-core machine.
+# Needs root (network namespaces + tc); takes about 15 minutes on a 2-core machine.
 #   bash benchmarks/matrix.sh [OUT_DIR]
 set -uo pipefail
 out=${1:-bench_out}
