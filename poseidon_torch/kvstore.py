@@ -131,7 +131,7 @@ def _run(messages: list[Message], rank: int, groups: ChannelGroups) -> int:
         works = [op(t, peer, group=groups.for_message(*((rank, peer) if op is dist.isend else (peer, rank))),
                     tag=tag) for op, t, peer, tag in messages]
     for work in works:
-        work.wait()
+        work.wait()  # bounded by the channel groups' timeout (PoseidonDDP's ``timeout``)
     return sum(t.numel() * t.element_size() for op, t, _, _ in messages if op is dist.isend)
 
 

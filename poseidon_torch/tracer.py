@@ -49,7 +49,8 @@ class Recorder:
         self.rank, self.world_size = rank, world_size
         self.spans: list[Span] = []
         self.active = False
-        self.written: list[Path] = []
+        self.written: list[Path] = []  #: the files, once the writer thread has written them
+        self._closed = False  # the window is over (set on the training thread)
         self._writer: threading.Thread | None = None
         self._group = control_group
         self._iteration = -1
@@ -64,7 +65,7 @@ class Recorder:
         return stamps[self.rank] - stamps[0]
 
     def start_iteration(self) -> None:
-        if self.config is None or self.written:
+        if self.config is None or self._closed:
             return
         self._iteration += 1
         first = self.config.skip
@@ -84,6 +85,7 @@ class Recorder:
             self._write()
 
     def _write(self) -> None:
+        self._closed = True
         gathered: list[list[Span]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(gathered, self.spans, group=self._group)
         self._writer = threading.Thread(target=self._write_files, args=(gathered,), name="poseidon-trace-writer")
@@ -103,7 +105,9 @@ class Recorder:
             tracefile.write_merged_trace(merged, gathered, self.world_size, meta)
             self.written.append(merged)
 
-    def flush(self) -> None:
+    def flush(self, timeout: float = 120.0) -> None:
         """Wait until the trace files are on disk (no-op if none are being written)."""
         if self._writer is not None:
-            self._writer.join()
+            self._writer.join(timeout)
+            if self._writer.is_alive():
+                raise TimeoutError(f"trace files in {self.config.directory} not written after {timeout:.0f}s")
