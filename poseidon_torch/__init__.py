@@ -6,7 +6,7 @@ Module map (one per concept of the paper):
 - ``syncer``: layers and their fusion into syncers;
 - ``kvstore``: the sharded parameter-server path;
 - ``barrier``: the BSP counter barrier;
-- ``pools``: sync threads (one process group each) and CUDA streams;
+- ``pools``: sync threads (each with its own process groups) and CUDA streams;
 - ``replicas``: start-up consistency checks and rank-0 broadcasts;
 - ``sfb``: sufficient-factor broadcast for fully connected layers, and ``register_fc``;
 - ``coordinator``: the per-layer cost model that picks PS or SFB;

@@ -53,7 +53,7 @@ class PoseidonDDP(nn.Module):
             (default 2 MiB, or ``POSEIDON_CHUNK_BYTES``).
         fusion_bytes: adjacent layers smaller than this together are synced as one job (default
             256 KiB, or ``POSEIDON_FUSION_BYTES``).
-        num_channels: sync threads, each with its own process group (default 2, or
+        num_channels: sync threads, each with its own process groups (default 2, or
             ``POSEIDON_NUM_CHANNELS``).
         timeout: seconds any wait may take before the step fails (dead or stuck peer).
         broadcast_buffers: copy rank 0's buffers to every rank at each training forward, as DDP does.

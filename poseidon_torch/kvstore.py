@@ -5,7 +5,7 @@ The flattened gradient space (every syncer's flat buffer, in syncer order) is cu
 straddle two syncers, so each syncer's sync is independent; a syncer smaller than P chunks is cut into P
 equal chunks, so every shard carries an equal share of every sync. All ranks compute the same plan.
 
-One sync of a syncer, on the channel's process group, with P ranks:
+One sync of a syncer, on the channel's process groups, with P ranks:
 - push: every rank sends each chunk it does not own to the chunk's owner (point-to-point);
 - aggregate: the owner adds exactly P - 1 pushes (its counter) to its own part, in rank order, and
   divides by P;
@@ -20,7 +20,7 @@ Every rank ends with bit-identical averages (the owner's sum is the only one com
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .pools import ChannelGroups
 
 #: A point-to-point message: (dist.isend or dist.irecv, tensor, peer rank, tag).
-Message = tuple
+Message = tuple[Callable, torch.Tensor, int, int]
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
 Collectives on one process group must be issued in the same order on every rank, but gradient hooks may
 fire in a different order on different ranks. So the pool is a set of *channels*: each channel is one
-thread with its own process group and a fixed, rank-independent list of syncers. A channel runs its
+thread with its own process groups and a fixed, rank-independent list of syncers. A channel runs its
 syncers strictly in that list order, every iteration, waiting for each to become ready. Invariants:
 - a syncer belongs to exactly one channel; the assignment depends only on the syncer order;
-- a channel runs at most one job at a time, so its process group is never used concurrently;
+- a channel runs at most one job at a time, so its process groups are never used concurrently;
 - a job that raises is reported through ``on_error`` and the channel stops (later collectives on its
   group would be out of step with the peers).
 """

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from .syncer import Syncer
+
 @dataclass(frozen=True)
 class FCSpec:
     """How to read an FC module: ``y = x W^T + b`` with W (M x N), or ``y = x W + b`` with W (N x M)
@@ -243,7 +245,7 @@ class SFBLayer:
         self.weight = spec.weight_of(module)
         self.detach_weight = False
         self.capture = FactorCapture(module, spec)
-        self.targets = [(p, role) for p, role in ((spec.weight_of(module), "weight"),
+        self.targets = [(p, role) for p, role in ((self.weight, "weight"),
                                                   (_bias_of(module, spec), "bias"))
                         if p is not None and any(p is q for q in params)]
         self._fresh: dict[str, Tensor] = {}  # this backward's local gradient, where .grad held a value
@@ -336,7 +338,7 @@ def _bias_of(module: nn.Module, spec: FCSpec) -> Tensor | None:
     return getattr(module, spec.bias) if spec.bias is not None else None
 
 
-def sfb_layers(syncers: list, model: nn.Module) -> dict[int, SFBLayer]:
+def sfb_layers(syncers: list[Syncer], model: nn.Module) -> dict[int, SFBLayer]:
     """The syncers that can take the SFB path, by syncer index: a syncer of exactly one registered FC
     module whose trainable weight (and bias) are all its parameters, and no other module shares them
     (a weight tied to another module gets gradient the factors do not see)."""
