@@ -1,23 +1,26 @@
 """poseidon-torch: the Poseidon communication architecture (USENIX ATC 2017) for PyTorch.
 
 Module map (one per concept of the paper):
-- ``ddp``: ``PoseidonDDP``, the drop-in wrapper for torch DDP;
-- ``wfbp``: the wait-free backprop engine (hooks, dispatch, barrier wait);
-- ``syncer``: layers and their fusion into syncers;
-- ``kvstore``: the sharded parameter-server path;
+- ``ddp``: ``PoseidonDDP``, the drop-in wrapper for torch DDP (options, forward, no_sync, join);
+- ``engine``: wait-free backprop: hooks -> ready -> channel -> ``path.sync(bucket)`` -> barrier, and
+  the per-iteration state machine;
+- ``bucket``: buckets (the syncers) and how layers are grouped into them;
+- ``kvstore``: the sharded parameter-server path (``PSPath``);
+- ``sfb``: sufficient-factor broadcasting for fully connected layers (``SFBPath``), ``register_fc``;
+- ``coordinator``: the per-layer choice of path and its cost model; ``link``: the probes it uses;
 - ``barrier``: the BSP counter barrier;
-- ``pools``: sync threads (each with its own process groups) and CUDA streams;
-- ``replicas``: start-up consistency checks and rank-0 broadcasts;
-- ``sfb``: sufficient-factor broadcast for fully connected layers, and ``register_fc``;
-- ``coordinator``: the per-layer cost model that picks PS or SFB;
-- ``tracer`` / ``spans`` / ``tracefile`` / ``overlap`` / ``trace``: recording and reading traces.
+- ``pools``: sync channels (one thread + its process groups each) and CUDA streams;
+- ``replicas``: start-up consistency checks and broadcasts;
+- ``trace``: the tracer (recording, files, summary, plot, CLI);
+- ``env``: the ``POSEIDON_*`` environment variables.
 """
 from .barrier import SyncError, SyncTimeout
-from .coordinator import LinkModel, Plan
+from .coordinator import Plan
 from .ddp import PoseidonDDP
+from .engine import CommStats
+from .link import LinkModel
 from .replicas import ModelMismatchError
 from .sfb import register_fc
-from .wfbp import CommStats
 
 __all__ = ["PoseidonDDP", "register_fc", "LinkModel", "Plan", "SyncError", "SyncTimeout",
            "ModelMismatchError", "CommStats"]

@@ -1,34 +1,33 @@
-"""BSP counter barrier: an iteration ends only when every syncer of that iteration has completed.
+"""BSP counter barrier: a backward ends only when every sync job of its pass has completed.
 
-The paper's client keeps a 0/1 vector with one entry per syncer; the training thread waits until all are
-1. Invariants:
-- ``arrive`` and ``fail`` may be called from any thread; ``wait`` is called by the training thread only.
-- ``wait`` returns only when every syncer arrived; it raises :class:`SyncError` naming the first failed
-  syncer and its cause, or :class:`SyncTimeout` naming the syncers still missing. It never blocks longer
-  than its timeout.
-- After a failure the barrier stays failed: collectives of the failed iteration may be half issued, so no
-  later iteration may pretend the ranks are still in step.
+The paper's client keeps a 0/1 vector with one entry per syncer and waits until all are 1. Here the
+entries are job keys (one per bucket, plus the pass's facts exchange). Invariants:
+- ``arrive`` and ``fail`` may be called from any thread; ``wait`` by the training thread only;
+- ``wait`` returns only when every expected job arrived; it raises :class:`SyncError` naming the first
+  failed job and its cause, or :class:`SyncTimeout` naming the jobs still missing; it never blocks
+  longer than its timeout;
+- after a failure the barrier stays failed: collectives of that pass may be half issued, so no later
+  pass may pretend the ranks are still in step.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Iterable
 
 
 class SyncError(RuntimeError):
-    """A sync job failed; the message names the syncer (layer) and the cause."""
+    """A sync job failed, or a peer could not take part; the message names the job and the cause."""
 
 
 class SyncTimeout(SyncError):
-    """Not every syncer completed within the timeout (a dead or stuck peer)."""
+    """Not every sync job completed within the timeout (a dead or stuck peer)."""
 
 
 class BSPBarrier:
-    def __init__(self, syncer_names: Sequence[str]) -> None:
-        self._names = list(syncer_names)
-        self._done = [False] * len(self._names)
-        self._remaining = len(self._names)
+    def __init__(self, describe: Callable[[Hashable], str]) -> None:
+        self._describe = describe
+        self._missing: set[Hashable] = set()
         self._failure: SyncError | None = None
         self._cond = threading.Condition()
 
@@ -36,39 +35,41 @@ class BSPBarrier:
     def failure(self) -> SyncError | None:
         return self._failure
 
-    def reset(self) -> None:
-        """Start a new iteration (training thread, after the previous ``wait`` returned)."""
+    def expect(self, keys: Iterable[Hashable]) -> None:
+        """Start a pass that ends when every key arrived (training thread, between passes)."""
         with self._cond:
-            self._done = [False] * len(self._names)
-            self._remaining = len(self._names)
+            self._missing = set(keys)
 
-    def arrive(self, index: int) -> None:
+    def arrive(self, key: Hashable) -> None:
         with self._cond:
-            if self._done[index]:
-                raise RuntimeError(f"syncer {self._names[index]!r} completed twice in one iteration")
-            self._done[index] = True
-            self._remaining -= 1
-            if self._remaining == 0:
+            if key not in self._missing:
+                raise RuntimeError(f"sync job {self._describe(key)} completed twice in one pass")
+            self._missing.discard(key)
+            if len(self._missing) <= 1:
                 self._cond.notify_all()
 
-    def fail(self, index: int, cause: BaseException) -> None:
+    def fail(self, key: Hashable, cause: BaseException) -> None:
         with self._cond:
             if self._failure is None:
-                error = SyncError(f"sync of layer {self._names[index]!r} failed: {type(cause).__name__}: {cause}")
+                if isinstance(cause, SyncError):
+                    error = SyncError(str(cause))
+                else:
+                    error = SyncError(f"sync of {self._describe(key)} failed: {type(cause).__name__}: {cause}")
                 error.__cause__ = cause
                 self._failure = error
             self._cond.notify_all()
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float, but: Hashable | None = None) -> None:
+        """Until every job arrived (every job but ``but``, from that job's own thread)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._failure is None and self._remaining > 0:
+            while self._failure is None and self._missing - {but}:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = [n for n, done in zip(self._names, self._done) if not done]
+                    names = sorted(self._describe(k) for k in self._missing)
                     self._failure = SyncTimeout(
-                        f"BSP barrier timed out after {timeout:.1f}s waiting for {len(missing)} syncer(s): "
-                        f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                        f"BSP barrier timed out after {timeout:.1f}s waiting for {len(names)} sync job(s): "
+                        f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''} "
                         "(a peer died, hung, or skipped this backward)")
                     break
                 self._cond.wait(left)

@@ -3,170 +3,317 @@
 After ``torch.distributed.init_process_group``, wrap the model; the user's own loss, ``backward()`` and
 optimizer stay as they are. When ``backward()`` returns, every trainable parameter's ``.grad`` holds the
 average over all ranks (BSP). Invariants:
-- construction checks that all ranks have the same parameters and protocol options, then copies rank 0's
-  parameters and buffers to every rank; with ``broadcast_buffers`` each training forward does it again
-  for buffers (BatchNorm statistics follow rank 0, as in DDP);
+- construction checks that all ranks have the same parameters and options, then copies rank 0's
+  parameters and buffers to every rank; with ``broadcast_buffers`` every synced forward in training mode
+  does it again for buffers (BatchNorm statistics follow rank 0, as in DDP);
+- no forward issues a collective that torch DDP would not: a forward under ``no_grad``, inside
+  ``no_sync`` or in eval mode issues none, so rank 0 alone may compute an accuracy;
 - ``state_dict()`` / ``load_state_dict()`` carry the ``module.`` prefix exactly as DDP's do;
-- inside ``no_sync()`` gradients accumulate locally; the first backward after it syncs the sum.
+- ``copy.deepcopy`` and pickling give an unbound copy: its engine starts (collectively) at its first
+  synced forward, and a no_grad forward of the copy needs no process group at all;
+- wrapping a module that another, unclosed PoseidonDDP still wraps closes the old one (with a warning):
+  only one engine ever hooks a module's parameters.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import time
+import warnings
+import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from .barrier import SyncError
-from .coordinator import Coordinator, LayerInfo, LinkModel, Plan, probe_gemm_flops, probe_link
-from .pools import ChannelGroups
-from .replicas import broadcast_from_rank0, check_same_model
-from .sfb import SFBLayer, sfb_layers
-from .syncer import build_syncers
-from .tracer import Recorder, TraceConfig
-from .wfbp import CommStats, WFBPEngine
+from .coordinator import Plan
+from .engine import CommStats, Engine
+from .env import option
+from .link import LinkModel, probe_gemm_flops, probe_link
+from .pools import Groups
+from .replicas import broadcast_from, check_same_model
+from .sfb import fc_spec
+from .trace import Recorder, TraceConfig
 
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
-DEFAULT_FUSION_BYTES = 256 * 1024
+DEFAULT_FUSION_BYTES = 4 * 1024 * 1024
 DEFAULT_NUM_CHANNELS = 2
 
-
-def _from_env(value: int | None, name: str, default: int) -> int:
-    """An option given in code wins; else ``POSEIDON_<NAME>`` from the environment; else the default."""
-    if value is not None:
-        return value
-    text = os.environ.get(f"POSEIDON_{name}", "").strip()
-    return int(text) if text else default
+#: module -> the PoseidonDDP that wraps it now (weak on both sides)
+_WRAPPED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
+@dataclass(frozen=True)
+class Options:
+    """PoseidonDDP's options, resolved once (code, then environment, then default); all ranks must agree."""
 
-class PoseidonDDP(nn.Module):
-    """Wrap ``module`` for data-parallel training with wait-free backprop and a sharded PS.
+    chunk_bytes: int
+    fusion_bytes: int
+    num_channels: int
+    timeout: float
+    broadcast_buffers: bool
+    hybrid: bool
+    overrides: tuple[tuple[str, str], ...]
+    link: LinkModel | None
+    trace: TraceConfig | None
+
+    def __post_init__(self) -> None:
+        if self.num_channels < 1 or self.timeout <= 0 or self.chunk_bytes <= 0 or self.fusion_bytes < 0:
+            raise ValueError(f"invalid options: num_channels={self.num_channels}, timeout={self.timeout}, "
+                             f"chunk_bytes={self.chunk_bytes}, fusion_bytes={self.fusion_bytes}")
+        if self.overrides and not self.hybrid:
+            raise ValueError("per-layer path overrides need hybrid=True")
+
+
+class PoseidonDDP(nn.Module, Joinable):
+    """Wrap ``module`` for data-parallel training with wait-free backprop, a sharded PS and SFB.
 
     Args:
         module: the model, already on its device (CPU, or one CUDA device per process).
-        chunk_bytes: size of the pieces the gradient space is cut into for the KV store shards
+        chunk_bytes: size of the pieces the gradient space is cut into for the KV-store shards
             (default 2 MiB, or ``POSEIDON_CHUNK_BYTES``).
-        fusion_bytes: adjacent layers smaller than this together are synced as one job (default
-            256 KiB, or ``POSEIDON_FUSION_BYTES``).
+        fusion_bytes: the largest bucket (default 4 MiB, or ``POSEIDON_FUSION_BYTES``); 0 keeps every
+            layer a bucket of its own. Within it, buckets are learned from the first backward.
         num_channels: sync threads, each with its own process groups (default 2, or
             ``POSEIDON_NUM_CHANNELS``).
         timeout: seconds any wait may take before the step fails (dead or stuck peer).
-        broadcast_buffers: copy rank 0's buffers to every rank at each training forward, as DDP does.
-        process_group: the group to train over (default: the world).
-        hybrid: let the coordinator send fully connected layers through SFB where that is cheaper;
-            False sends every layer through the PS path.
-        overrides: force a path per layer, e.g. ``{"classifier.0": "SFB", "fc2": "PS"}``.
+        broadcast_buffers: copy rank 0's buffers to every rank at each synced forward in training mode.
+        process_group: the group to train over (default: the world); only its members construct.
+        hybrid: let the coordinator send fully connected layers through SFB where that is cheaper and
+            exact; False sends every layer through the PS path.
+        overrides: force a path per layer, e.g. ``{"classifier.0": "SFB", "fc2": "PS"}`` (SFB only
+            where it is exact).
         link: the network's alpha-beta model for the cost model (default: probed at start-up, or
             ``POSEIDON_BANDWIDTH_GBPS`` / ``POSEIDON_LATENCY_US``).
-        trace_dir, trace_skip, trace_iters: switch the tracer on (see ``poseidon_torch.tracer``).
+        trace_dir, trace_skip, trace_iters: switch the tracer on (see ``poseidon_torch.trace``).
     """
 
-    def __init__(self, module: nn.Module, *, chunk_bytes: int | None = None,
-                 fusion_bytes: int | None = None, num_channels: int | None = None,
-                 timeout: float = 300.0, broadcast_buffers: bool = True,
-                 process_group: Any = None, hybrid: bool = True,
-                 overrides: dict[str, str] | None = None, link: LinkModel | None = None,
-                 trace_dir: str | None = None, trace_skip: int | None = None,
+    def __init__(self, module: nn.Module, *, chunk_bytes: int | None = None, fusion_bytes: int | None = None,
+                 num_channels: int | None = None, timeout: float = 300.0, broadcast_buffers: bool = True,
+                 process_group: Any = None, hybrid: bool = True, overrides: dict[str, str] | None = None,
+                 link: LinkModel | None = None, trace_dir: str | None = None, trace_skip: int | None = None,
                  trace_iters: int | None = None) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
+        Joinable.__init__(self)
         if not dist.is_initialized():
             raise RuntimeError("PoseidonDDP needs torch.distributed.init_process_group() to be called first")
-        chunk_bytes = _from_env(chunk_bytes, "CHUNK_BYTES", DEFAULT_CHUNK_BYTES)
-        fusion_bytes = _from_env(fusion_bytes, "FUSION_BYTES", DEFAULT_FUSION_BYTES)
-        num_channels = _from_env(num_channels, "NUM_CHANNELS", DEFAULT_NUM_CHANNELS)
-        if num_channels < 1 or timeout <= 0 or chunk_bytes <= 0 or fusion_bytes < 0:
-            raise ValueError(f"invalid options: num_channels={num_channels}, timeout={timeout}, "
-                             f"chunk_bytes={chunk_bytes}, fusion_bytes={fusion_bytes}")
         self.module = module
-        self.broadcast_buffers = broadcast_buffers
+        self.options = Options(
+            chunk_bytes=option(chunk_bytes, "CHUNK_BYTES", int, DEFAULT_CHUNK_BYTES),
+            fusion_bytes=option(fusion_bytes, "FUSION_BYTES", int, DEFAULT_FUSION_BYTES),
+            num_channels=option(num_channels, "NUM_CHANNELS", int, DEFAULT_NUM_CHANNELS),
+            timeout=timeout, broadcast_buffers=broadcast_buffers, hybrid=hybrid,
+            overrides=tuple(sorted((overrides or {}).items())), link=link,
+            trace=TraceConfig.resolve(trace_dir, trace_skip, trace_iters))
+        self._group = process_group or dist.group.WORLD
+        self._group_ranks = dist.get_process_group_ranks(self._group)
+        if dist.get_rank() not in self._group_ranks:
+            raise ValueError(f"rank {dist.get_rank()} is not a member of process_group (ranks {self._group_ranks})")
+        self._backend = dist.get_backend(self._group)
         self._require_sync = True
-        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-        self.rank, self.world_size = ranks.index(dist.get_rank()), len(ranks)
-        deadline = timedelta(seconds=timeout)
-        self._control = dist.new_group(ranks, timeout=deadline, backend="gloo")
-        trace = TraceConfig.resolve(trace_dir, trace_skip, trace_iters)
-        if overrides and not hybrid:
-            raise ValueError("per-layer path overrides need hybrid=True")
-        options = {"chunk_bytes": chunk_bytes, "fusion_bytes": fusion_bytes, "num_channels": num_channels,
-                   "broadcast_buffers": broadcast_buffers, "trace": trace is not None, "hybrid": hybrid,
-                   "overrides": sorted((overrides or {}).items()), "link": link}
-        check_same_model(module, options, self._control)
-        device = _single_device(module)
-        backend = dist.get_backend(process_group)
-        self._staged = device.type == "cuda" and backend == "gloo"
-        self._data = dist.new_group(ranks, timeout=deadline, backend=backend)
-        broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), self._data, self._staged)
-        channel_groups = [ChannelGroups.create(ranks, backend, deadline) for _ in range(num_channels)]
-        self.recorder = Recorder(trace, self.rank, self.world_size, self._control)
-        self.syncers = build_syncers(module, fusion_bytes)
-        fc_layers = sfb_layers(self.syncers, module) if hybrid and self.world_size > 1 else {}
-        coordinator = self._coordinator(fc_layers, overrides, link, device) if fc_layers else None
-        if overrides and coordinator is None:
-            raise ValueError(f"overrides {overrides} given, but no layer can take the SFB path")
-        self._engine = WFBPEngine(self.syncers, channel_groups, self.rank, self.world_size, chunk_bytes,
-                                  timeout, self._staged, self.recorder, fc_layers, coordinator)
+        self._engine: Engine | None = None
+        self._start()
 
-    def _coordinator(self, fc_layers: dict[int, SFBLayer], overrides: dict[str, str] | None,
-                     link: LinkModel | None, device: torch.device) -> Coordinator:
-        wire_device = "cpu" if self._staged else device
-        link = link or probe_link(self._data, device=wire_device)
-        gemm = probe_gemm_flops(device, self._data)
-        layers = [LayerInfo.of_syncer(s, fc_layers.get(s.index)) for s in self.syncers]
-        return Coordinator(layers, sorted(fc_layers), self.world_size, link, gemm, overrides)
+    # ---- the engine's lifetime -------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Groups, checks, rank 0's state, the engine: collective over the group's members."""
+        self._take_over_module()
+        if self._group is None:
+            self._group = _group_over(self._group_ranks)
+        options = self.options
+        self.rank, self.world_size = dist.get_rank(self._group), dist.get_world_size(self._group)
+        self._groups = Groups.create(self._group, self._backend, options.num_channels,
+                                     timedelta(seconds=options.timeout))
+        check_same_model(self.module, options, self._groups.control)
+        device = _single_device(self.module)
+        self._staged = device.type == "cuda" and self._backend == "gloo"
+        broadcast_from(list(self.module.parameters()) + list(self.module.buffers()), self._groups.data,
+                       self._staged, 0)
+        self.recorder = Recorder(options.trace, self.rank, self.world_size, self._groups.control.all_gather_objects)
+        link, gemm = self._cost_inputs(device)
+        self._engine = Engine(self.module, groups=self._groups, chunk_bytes=options.chunk_bytes,
+                              fusion_bytes=options.fusion_bytes, timeout=options.timeout, staged=self._staged,
+                              recorder=self.recorder, hybrid=options.hybrid, link=link, gemm_flops=gemm,
+                              overrides=dict(options.overrides))
+        _WRAPPED[self.module] = weakref.ref(self)
+
+    def _take_over_module(self) -> None:
+        previous = _WRAPPED.get(self.module)
+        previous = previous() if previous is not None else None
+        if previous is not None and previous is not self and previous._engine is not None:
+            warnings.warn("PoseidonDDP: this module is already wrapped by a PoseidonDDP that was not closed; "
+                          "closing that one (call close() on a wrapper you replace)", stacklevel=3)
+            previous.close()
+
+    def _cost_inputs(self, device: torch.device) -> tuple[LinkModel, float]:
+        """The link and GEMM rate for the cost model: probed (collectively) only when some layer could
+        take the SFB path at all."""
+        idle = LinkModel(0.0, 0.0, "unused")
+        if not self.options.hybrid or self.world_size == 1 or not any(fc_spec(m) for m in self.module.modules()):
+            return self.options.link or idle, 1.0
+        wire = "cpu" if self._staged else device
+        key = (tuple(self._group_ranks), self._backend)
+        link = self.options.link or probe_link(self._groups.data, key, device=wire)
+        return link, probe_gemm_flops(device, self._groups.data, key)
+
+    def close(self) -> None:
+        """Stop the sync threads, remove every hook, release the process groups and finish writing a
+        trace (also done when the process exits)."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        engine.close()
+        self.recorder.flush()
+        self._groups = None  # the private backends close when the last reference goes
+        if _WRAPPED.get(self.module) is not None and _WRAPPED[self.module]() is self:
+            del _WRAPPED[self.module]
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for name in ("_engine", "_groups", "recorder"):
+            state.pop(name, None)
+        state["_group"] = None  # a copy makes its own group over the same ranks when it starts
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._engine = None  # started by the first synced forward of the copy
+
+    # ---- training ----------------------------------------------------------------------------------
 
     @property
     def plan(self) -> Plan | None:
-        """Per layer: type, shape, K, chosen path, predicted bytes and time of each path (``print`` it).
-        None until the first forward, or when no layer can take the SFB path."""
-        coordinator = self._engine.coordinator
-        return coordinator.plan if coordinator is not None else None
+        """Per bucket: type, shape, K, path, predicted bytes and time of each path (``print`` it)."""
+        engine = self._engine
+        return engine.coordinator.plan(engine.buckets) if engine is not None else None
+
+    @property
+    def engine(self) -> Engine | None:
+        """The wait-free backprop engine (buckets, paths, coordinator); None while unbound."""
+        return self._engine
 
     @property
     def comm_stats(self) -> CommStats:
-        return self._engine.stats
+        return self._engine.stats if self._engine is not None else CommStats()
+
+    @property
+    def bucket_names(self) -> list[str]:
+        """The buckets in sync order: learned from the first backward."""
+        return [b.name for b in self._engine.buckets] if self._engine is not None else []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        failure = self._engine.barrier.failure
-        if failure is not None:
-            raise SyncError(f"PoseidonDDP cannot continue after a failed sync: {failure}") from failure
-        armed = torch.is_grad_enabled() and self._require_sync
-        self._engine.begin_forward(armed)
-        if armed:
-            self.recorder.start_iteration()
+        synced = torch.is_grad_enabled() and self._require_sync
+        if synced and self._engine is None:
+            self._start()  # an unbound copy (deepcopy, unpickled) that is trained
+        engine = self._engine
+        if engine is None:
+            return self.module(*args, **kwargs)
         start = time.monotonic_ns()
-        if self.broadcast_buffers and self.module.training and self.world_size > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                broadcast_from_rank0(buffers, self._data, self._staged)
+        engine.begin_forward(synced)
         try:
+            self._forward_collectives(synced)
             output = self.module(*args, **kwargs)
         finally:
-            self._engine.end_forward()
-        if armed:
-            self._engine.plan_iteration(self._control)
+            engine.end_forward()
+        if synced:
+            engine.arm(output)
         if self.recorder.active:
             self.recorder.add("forward", "forward", "compute", start, time.monotonic_ns())
-            _on_first_grad(output, self._engine.mark_backward_start)
         return output
+
+    def _forward_collectives(self, synced: bool) -> None:
+        """What torch DDP issues in forward: with join() the not-joined notice and this iteration's
+        sync decision, then rank 0's buffers (synced forwards in training mode only)."""
+        code = _SYNC * synced + _BUFFERS * (synced and self._syncs_buffers())
+        if self._join_config.enable:
+            Join.notify_join_context(self)
+            flag = torch.tensor([code])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if code & _BUFFERS:
+            self._sync_buffers(joined=False)
+
+    def _syncs_buffers(self) -> bool:
+        return self.options.broadcast_buffers and self.module.training and self.world_size > 1 and \
+            any(True for _ in self.module.buffers())
+
+    def _sync_buffers(self, joined: bool) -> None:
+        """Broadcast the buffers from rank 0, or with join() from the highest rank still training."""
+        source = 0
+        if self._join_config.enable:
+            candidate = torch.tensor([-1 if joined else self.rank])
+            dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self._group)
+            source = int(candidate)
+        broadcast_from(list(self.module.buffers()), self._groups.data, self._staged, source)
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally in this context; the next backward outside it syncs them."""
+        """Accumulate gradients locally in this context; the next synced backward syncs them."""
         previous, self._require_sync = self._require_sync, False
         try:
             yield
         finally:
             self._require_sync = previous
 
-    def close(self) -> None:
-        """Stop the sync threads and finish writing a trace (also done when the process exits)."""
-        self._engine.close()
-        self.recorder.flush()
+    # ---- uneven inputs ---------------------------------------------------------------------------------
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Train on uneven inputs, as torch DDP's ``join()``: ranks that ran out of data take part in
+        the others' syncs with zero gradients (averages divide by the initial world size); at the end
+        every rank takes the model of the last rank to finish."""
+        if not divide_by_initial_world_size:
+            raise ValueError("PoseidonDDP.join supports divide_by_initial_world_size=True only")
+        return Join([self], enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _JoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu") if self._backend == "gloo" else _single_device(self.module)
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._group
+
+
+_SYNC, _BUFFERS = 1, 2
+
+
+class _JoinHook(JoinHook):
+    """A joined rank shadows the collectives of the others' iterations."""
+
+    def __init__(self, ddp: PoseidonDDP) -> None:
+        self.ddp = ddp
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        flag = torch.tensor([0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ddp._group)
+        code = int(flag)
+        if code & _BUFFERS:
+            ddp._sync_buffers(joined=True)
+        if code & _SYNC:
+            ddp._engine.shadow_pass()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        candidate = torch.tensor([ddp.rank if is_last_joiner else -1])
+        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp._group)
+        state = list(ddp.module.parameters()) + list(ddp.module.buffers())
+        broadcast_from(state, ddp._groups.data, ddp._staged, int(candidate))
+
+
+def _group_over(ranks: list[int]) -> Any:
+    """The process group of a copy that starts training: the world, or a new group over the same ranks
+    (made by the members only)."""
+    if ranks == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return dist.new_group(ranks, use_local_synchronization=True)
 
 
 def _single_device(module: nn.Module) -> torch.device:
@@ -174,12 +321,3 @@ def _single_device(module: nn.Module) -> torch.device:
     if len(devices) != 1:
         raise ValueError(f"PoseidonDDP needs all parameters on one device, found {sorted(map(str, devices))}")
     return devices.pop()
-
-
-def _on_first_grad(output: Any, callback) -> None:
-    """Call ``callback`` when backward produces the gradient of the first tensor output that needs one."""
-    tensors = output if isinstance(output, (tuple, list)) else [output]
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(lambda grad: callback())
-            return

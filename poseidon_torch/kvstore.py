@@ -1,170 +1,190 @@
-"""Sharded key-value store colocated with the workers: Poseidon's parameter-server path.
+"""Sharded key-value store colocated with the workers: Poseidon's parameter-server path (``PSPath``).
 
-The flattened gradient space (every syncer's flat buffer, in syncer order) is cut into chunks of at most
+The gradient space (every bucket's flat buffer, in bucket order) is cut into chunks of at most
 ``chunk_bytes`` (2 MB by default), dealt round-robin over the shards (one shard per rank). Chunks never
-straddle two syncers, so each syncer's sync is independent; a syncer smaller than P chunks is cut into P
+straddle two buckets, so each bucket's sync is independent; a bucket smaller than P chunks is cut into P
 equal chunks, so every shard carries an equal share of every sync. All ranks compute the same plan.
 
-One sync of a syncer, on the channel's process groups, with P ranks:
+One sync of a bucket, on the channel's process groups, with P ranks:
 - push: every rank sends each chunk it does not own to the chunk's owner (point-to-point);
-- aggregate: the owner adds exactly P - 1 pushes (its counter) to its own part, in rank order, and
-  divides by P;
+- aggregate: the owner adds exactly P - 1 pushes to its own part, in rank order, and divides by P
+  (in fp32 for half-precision buckets, so the sum cannot overflow);
 - pull: the owner sends the averaged chunk to the P - 1 other ranks.
 Each phase runs in P - 1 staggered rounds (round i: send to rank + i, receive from rank - i), so no link
 carries two flows at once: without it, P - 1 pushes converge on an owner's link at the same moment, which
 overflows a shaped switch queue and stalls TCP on retransmission timeouts.
-Bytes sent by one rank for a chunk of b bytes: b if it is not the owner, (P - 1) b if it is. Over all ranks
-that is 2 (P - 1) b per chunk, so with balanced owners a rank sends 2 (P - 1) / P of the model's gradient
-bytes per iteration: the same volume as a bandwidth-optimal all-reduce.
-Every rank ends with bit-identical averages (the owner's sum is the only one computed).
+
+The message schedule of a bucket (every send, receive and add, as views of its flat buffer and of the
+owner's receive buffers) is computed once, when the bucket is built. Bytes sent by one rank for a chunk of
+b bytes: b if it is not the owner, (P - 1) b if it is: 2 (P - 1) b per chunk over all ranks, so with
+balanced owners a rank sends 2 (P - 1) / P of the bucket's bytes per sync, the volume of a
+bandwidth-optimal all-reduce. Every rank ends with bit-identical averages (the owner's sum is the only
+one computed).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from .bucket import Bucket
 from .pools import ChannelGroups
 
-#: A point-to-point message: (dist.isend or dist.irecv, tensor, peer rank, tag).
-Message = tuple[Callable, torch.Tensor, int, int]
+#: A point-to-point message: (True to send or False to receive, tensor, peer's rank, tag).
+Message = tuple[bool, torch.Tensor, int, int]
+
+#: No chunk smaller than this is cut off a bucket just to spread it: tiny messages are latency-bound.
+MIN_CHUNK_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
 class Chunk:
-    start: int  # element offset in the syncer's flat buffer
+    start: int  # element offset in the bucket's flat buffer
     stop: int
-    owner: int  # rank of the shard that aggregates this chunk
-    tag: int    # message tag, unique within the syncer
+    owner: int  # group rank of the shard that aggregates this chunk
+    tag: int    # message tag, unique within the bucket
 
 
-#: No chunk smaller than this is cut off a syncer just to spread it: tiny messages are latency-bound.
-MIN_CHUNK_BYTES = 16 * 1024
-
-
-def plan_chunks(syncer_numels: Sequence[int], element_size: int, world_size: int,
+def plan_chunks(numels: Sequence[int], element_sizes: Sequence[int], world_size: int,
                 chunk_bytes: int) -> list[list[Chunk]]:
-    """Cut each syncer's flat buffer into chunks of at most ``chunk_bytes`` and deal them round-robin
-    over the shards (chunk i of the whole gradient space goes to shard i mod P). A syncer smaller than
+    """Cut each bucket's flat buffer into chunks of at most ``chunk_bytes`` and deal them round-robin
+    over the shards (chunk i of the whole gradient space goes to shard i mod P). A bucket smaller than
     P chunks is cut into P equal chunks (none under ``MIN_CHUNK_BYTES``), so every shard takes an equal
-    share of every sync: syncs run one after another, and a sync lasts as long as its busiest owner."""
-    if chunk_bytes < element_size:
-        raise ValueError(f"chunk_bytes={chunk_bytes} is smaller than one element ({element_size} bytes)")
-    max_elems = chunk_bytes // element_size
-    min_elems = max(1, MIN_CHUNK_BYTES // element_size)
+    share of every sync: a sync lasts as long as its busiest owner."""
     plan, dealt = [], 0
-    for numel in syncer_numels:
+    for numel, element_size in zip(numels, element_sizes):
+        if chunk_bytes < element_size:
+            raise ValueError(f"chunk_bytes={chunk_bytes} is smaller than one element ({element_size} bytes)")
+        max_elems = chunk_bytes // element_size
+        min_elems = max(1, MIN_CHUNK_BYTES // element_size)
         elems = min(max_elems, max(-(-numel // world_size), min_elems))
-        chunks = []
-        for tag, start in enumerate(range(0, numel, elems)):
-            chunks.append(Chunk(start, min(start + elems, numel), (dealt + tag) % world_size, tag))
+        chunks = [Chunk(start, min(start + elems, numel), (dealt + tag) % world_size, tag)
+                  for tag, start in enumerate(range(0, numel, elems))]
         dealt += len(chunks)
         plan.append(chunks)
     return plan
 
 
-def bytes_sent_by(rank: int, chunks: Sequence[Chunk], element_size: int, world_size: int) -> int:
-    """The formula: what ``ShardedKVStore.push_pull`` sends from ``rank`` for one syncer."""
-    total = 0
-    for c in chunks:
-        size = (c.stop - c.start) * element_size
-        total += (world_size - 1) * size if c.owner == rank else size
-    return total
+def ps_bytes_per_rank(nbytes: float, world_size: int) -> float:
+    """Mean bytes one rank sends on the PS path for a flat buffer of ``nbytes``: it pushes the
+    (P-1)/P it does not own once and sends its own 1/P to each of the P-1 peers."""
+    return 2.0 * (world_size - 1) / world_size * nbytes
 
 
-class ShardedKVStore:
-    """The chunk plan of all syncers, and this rank's inbox: one receive buffer per peer for every
-    chunk it owns, allocated on first use and kept, so the hot path allocates nothing (about one model
-    size of memory per rank, as torch DDP's buckets)."""
-
-    def __init__(self, syncer_numels: Sequence[int], element_size: int, rank: int, world_size: int,
-                 chunk_bytes: int) -> None:
-        self.rank, self.world_size, self.element_size = rank, world_size, element_size
-        self.chunks = plan_chunks(syncer_numels, element_size, world_size, chunk_bytes)
-        self._inbox: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
-
-    def bytes_formula(self, syncer_index: int) -> int:
-        return bytes_sent_by(self.rank, self.chunks[syncer_index], self.element_size, self.world_size)
-
-    def push_pull(self, syncer_index: int, flat: torch.Tensor, groups: ChannelGroups) -> int:
-        """Average ``flat`` over all ranks in place through the sharded store; returns the bytes sent,
-        counted from the tensors actually handed to ``isend``."""
-        chunks = self.chunks[syncer_index]
-        received, pushed = _push(flat, chunks, self.rank, self.world_size, groups,
-                                 lambda c, piece: self._inbox_for(syncer_index, c, piece))
-        for chunk, contributions in received.items():
-            _aggregate_into(flat[chunk.start:chunk.stop], contributions, self.world_size)
-        return pushed + _pull(flat, chunks, self.rank, self.world_size, groups)
-
-    def _inbox_for(self, syncer_index: int, chunk: Chunk, piece: torch.Tensor) -> dict[int, torch.Tensor]:
-        key = (syncer_index, chunk.tag)
-        if key not in self._inbox:
-            self._inbox[key] = {peer: torch.empty_like(piece) for peer in _peers(self.rank, self.world_size)}
-        return self._inbox[key]
+def ps_messages(world_size: int) -> int:
+    """Latency rounds of one PS sync: push, then pull, each in P - 1 staggered rounds."""
+    return 2 * (world_size - 1)
 
 
-def _peers(rank: int, world_size: int) -> list[int]:
-    return [r for r in range(world_size) if r != rank]
+@dataclass
+class Schedule:
+    """Every message and add of one bucket's sync, precomputed."""
+
+    push: list[list[Message]] = field(default_factory=list)  # per staggered round
+    pull: list[list[Message]] = field(default_factory=list)
+    aggregate: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
+    bytes_sent: int = 0
 
 
-def _run_staggered(sends: dict[int, list[Message]], recvs: dict[int, list[Message]], rank: int,
-                   world_size: int, groups: ChannelGroups) -> int:
-    """Run the messages in P - 1 rounds: in round i this rank sends only to rank + i and receives only
-    from rank - i, so every link carries one flow at a time (no incast at an owner). Returns bytes
-    sent."""
-    sent = 0
-    for shift in range(1, world_size):
-        to, frm = (rank + shift) % world_size, (rank - shift) % world_size
-        sent += _run(sends.get(to, []) + recvs.get(frm, []), rank, groups)
-    return sent
+class PSPath:
+    """The sharded KV store's sync of one bucket: gather, push, aggregate, pull, scatter."""
+
+    name = "PS"
+
+    def __init__(self, rank: int, world_size: int, chunk_bytes: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.chunk_bytes = chunk_bytes
+        self._schedules: dict[int, Schedule] = {}
+
+    def prepare(self, buckets: Sequence[Bucket]) -> None:
+        """Deal the chunks of ``buckets`` over the shards and compute every bucket's schedule."""
+        plan = plan_chunks([b.flat.numel() for b in buckets], [b.flat.element_size() for b in buckets],
+                           self.world_size, self.chunk_bytes)
+        self._schedules = {id(b): self._schedule(b.flat, chunks) for b, chunks in zip(buckets, plan)}
+
+    def bytes_sent(self, bucket: Bucket) -> int:
+        return self._schedules[id(bucket)].bytes_sent
+
+    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
+        """Average ``bucket``'s gradients over all ranks; yields the phases as they begin. ``ctx``
+        (the engine's SyncContext) says whether this rank's backward was aborted or it has joined."""
+        yield "gather"
+        bucket.gather(ctx.aborted, ctx.shadow)
+        yield "network"
+        self.average(bucket, groups)
+        bucket.bytes_sent = self.bytes_sent(bucket)
+        bucket.outcome = self.name
+        if ctx.shadow:
+            return False
+        yield "scatter"
+        return bucket.scatter()
+
+    def average(self, bucket: Bucket, groups: ChannelGroups) -> None:
+        """Push, aggregate and pull ``bucket.flat`` in place (the network part of a sync)."""
+        if self.world_size == 1:
+            return
+        schedule = self._schedules[id(bucket)]
+        for messages in schedule.push:
+            _run(messages, groups)
+        for own, contributions in schedule.aggregate:
+            _aggregate_into(own, contributions, self.world_size)
+        for messages in schedule.pull:
+            _run(messages, groups)
+
+    def _schedule(self, flat: torch.Tensor, chunks: Sequence[Chunk]) -> Schedule:
+        rank, size = self.rank, self.world_size
+        schedule = Schedule()
+        inbox: dict[tuple[Chunk, int], torch.Tensor] = {}
+        for shift in range(1, size):
+            to, frm = (rank + shift) % size, (rank - shift) % size
+            push, pull = [], []
+            for c in chunks:
+                piece = flat[c.start:c.stop]
+                if c.owner == to:  # push my part of the chunk ``to`` owns
+                    push.append((True, piece, to, c.tag))
+                if c.owner == rank:  # receive ``frm``'s part of my chunk; later send ``to`` the average
+                    push.append((False, inbox.setdefault((c, frm), torch.empty_like(piece)), frm, c.tag))
+                    pull.append((True, piece, to, c.tag))
+                if c.owner == frm:  # receive the average of the chunk ``frm`` owns
+                    pull.append((False, piece, frm, c.tag))
+            schedule.push.append(push)
+            schedule.pull.append(pull)
+        for c in chunks:
+            if c.owner == rank:
+                contributions = [inbox[(c, peer)] for peer in range(size) if peer != rank]
+                schedule.aggregate.append((flat[c.start:c.stop], contributions))
+        schedule.bytes_sent = sum(t.numel() * t.element_size() for round_ in schedule.push + schedule.pull
+                                  for is_send, t, _, _ in round_ if is_send)
+        return schedule
 
 
-def _run(messages: list[Message], rank: int, groups: ChannelGroups) -> int:
-    """Issue the messages, each on the group of its direction, and wait for all; returns bytes sent."""
+def _run(messages: list[Message], groups: ChannelGroups) -> None:
+    """Issue one round's messages, each on the group of its direction, and wait for all (each wait is
+    bounded by the groups' timeout, PoseidonDDP's ``timeout``)."""
     if not messages:
-        return 0
-    if groups.batched:
-        works = dist.batch_isend_irecv([dist.P2POp(op, t, peer, groups.up, tag) for op, t, peer, tag in messages])
-    else:
-        works = [op(t, peer, group=groups.for_message(*((rank, peer) if op is dist.isend else (peer, rank))),
-                    tag=tag) for op, t, peer, tag in messages]
+        return
+    if groups.coalesced:
+        device = messages[0][1].device
+        groups.up._start_coalescing(device)
+        for is_send, t, peer, tag in messages:
+            (groups.send if is_send else groups.recv)(t, peer, tag)
+        groups.up._end_coalescing(device).wait()
+        return
+    works = [(groups.send if is_send else groups.recv)(t, peer, tag) for is_send, t, peer, tag in messages]
     for work in works:
-        work.wait()  # bounded by the channel groups' timeout (PoseidonDDP's ``timeout``)
-    return sum(t.numel() * t.element_size() for op, t, _, _ in messages if op is dist.isend)
+        work.wait()
 
 
-def _push(flat, chunks, rank, world_size, groups, inbox) -> tuple[dict[Chunk, dict[int, torch.Tensor]], int]:
-    sends: dict[int, list[Message]] = {}
-    recvs: dict[int, list[Message]] = {}
-    received = {}
-    for c in chunks:
-        piece = flat[c.start:c.stop]
-        if c.owner == rank:
-            received[c] = inbox(c, piece)
-            for peer, buf in received[c].items():
-                recvs.setdefault(peer, []).append((dist.irecv, buf, peer, c.tag))
-        else:
-            sends.setdefault(c.owner, []).append((dist.isend, piece, c.owner, c.tag))
-    return received, _run_staggered(sends, recvs, rank, world_size, groups)
-
-
-def _aggregate_into(own: torch.Tensor, contributions: dict[int, torch.Tensor], world_size: int) -> None:
-    """Add the P - 1 pushed contributions into ``own`` in rank order (deterministic), then average."""
-    for peer in sorted(contributions):
-        own += contributions[peer]
-    own.div_(world_size)
-
-
-def _pull(flat, chunks, rank, world_size, groups) -> int:
-    sends: dict[int, list[Message]] = {}
-    recvs: dict[int, list[Message]] = {}
-    for c in chunks:
-        piece = flat[c.start:c.stop]
-        if c.owner == rank:
-            for peer in _peers(rank, world_size):
-                sends.setdefault(peer, []).append((dist.isend, piece, peer, c.tag))
-        else:
-            recvs.setdefault(c.owner, []).append((dist.irecv, piece, c.owner, c.tag))
-    return _run_staggered(sends, recvs, rank, world_size, groups)
+def _aggregate_into(own: torch.Tensor, contributions: list[torch.Tensor], world_size: int) -> None:
+    """Add the P - 1 pushed contributions into ``own`` in rank order (deterministic), then average;
+    half-precision chunks are summed in fp32."""
+    if own.element_size() >= 4:
+        for contribution in contributions:
+            own += contribution
+        own.div_(world_size)
+        return
+    total = own.float()
+    for contribution in contributions:
+        total += contribution.float()
+    own.copy_(total.div_(world_size))

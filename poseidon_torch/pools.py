@@ -1,19 +1,29 @@
-"""Thread pool and CUDA stream pool that carry sync jobs.
+"""Process groups, the thread pool and the CUDA stream pool that carry sync jobs.
 
-Collectives on one process group must be issued in the same order on every rank, but gradient hooks may
-fire in a different order on different ranks. So the pool is a set of *channels*: each channel is one
-thread with its own process groups and a fixed, rank-independent list of syncers. A channel runs its
-syncers strictly in that list order, every iteration, waiting for each to become ready. Invariants:
-- a syncer belongs to exactly one channel; the assignment depends only on the syncer order;
-- a channel runs at most one job at a time, so its process groups are never used concurrently;
+Groups: every PoseidonDDP owns private c10d backends (``ProcessGroupGloo`` or ``ProcessGroupNCCL``
+objects used directly, outside torch.distributed's registry), made over the members of the user's
+process group under a store prefix unique to this wrapper. Only the members take part; nothing is
+registered globally, so closing a wrapper releases them, and a group is never confused with another
+wrapper's. Every one of them has PoseidonDDP's timeout.
+
+Channels: collectives on one group must be issued in the same order on every rank, but gradients become
+ready in a different order on different ranks. So the pool is a set of *channels*: each channel is one
+thread with its own groups and a fixed, rank-independent schedule of job keys. Every pass, a channel runs
+the jobs of its schedule strictly in that order, waiting for each to be submitted. Invariants:
+- a job key belongs to exactly one channel's schedule; schedules depend only on state all ranks share;
+- a channel runs at most one job at a time, so its groups are never used concurrently;
+- a schedule is replaced only between passes (every job of the pass done); the channel then starts
+  over with the new schedule;
 - a job that raises is reported through ``on_error`` and the channel stops (later collectives on its
-  group would be out of step with the peers).
+  groups would be out of step with the peers).
 """
 from __future__ import annotations
 
+import pickle
 import threading
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,92 +31,202 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+Backend = Any  #: a c10d backend object (ProcessGroupGloo / ProcessGroupNCCL)
+
+
+def unique_prefix(group: Any) -> str:
+    """A store prefix all members of ``group`` agree on and no other wrapper uses (collective)."""
+    token = [uuid.uuid4().hex if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+    return f"poseidon/{token[0]}/"
+
+
+def make_backend(prefix: str, name: str, rank: int, size: int, backend: str, timeout: timedelta) -> Backend:
+    """A private backend over the members (ranks 0..size-1 of the user's group), rendezvous in the
+    default store under ``prefix + name``."""
+    store = dist.PrefixStore(f"{prefix}{name}/", dist.distributed_c10d._get_default_store())
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _options(cls, **fields):
+    options = cls()
+    for key, value in fields.items():
+        setattr(options, key, value)
+    return options
+
+
+class Collectives:
+    """The collectives PoseidonDDP issues on one private backend (ranks are the group's ranks)."""
+
+    def __init__(self, backend: Backend, rank: int, size: int) -> None:
+        self.backend, self.rank, self.size = backend, rank, size
+
+    def all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        self.backend._allgather_base(out, mine).wait()
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        self.backend.allreduce([tensor], _options(dist.AllreduceOptions, reduceOp=op)).wait()
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.backend.broadcast([tensor], _options(dist.BroadcastOptions, rootRank=src, rootTensor=0)).wait()
+
+    def all_gather_objects(self, obj: object) -> list:
+        """Every rank's ``obj`` (pickled), in rank order."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.empty(self.size, dtype=torch.int64)
+        self.all_gather(sizes, torch.tensor([payload.numel()]))
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:payload.numel()] = payload
+        everyone = torch.empty(self.size * longest, dtype=torch.uint8)
+        self.all_gather(everyone, padded)
+        return [pickle.loads(everyone[r * longest:r * longest + int(sizes[r])].numpy().tobytes())
+                for r in range(self.size)]
+
+    def broadcast_object(self, obj: object, src: int) -> object:
+        return self.all_gather_objects(obj if self.rank == src else None)[src]
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1))
+
 
 @dataclass(frozen=True)
 class ChannelGroups:
-    """The process groups of one channel. gloo serialises a pair's send and receive on one connection
+    """The backends of one channel. gloo serialises a pair's send and receive on one connection
     (measured on the emulated 1 Gbit/s link: 32 MB each way took 539 ms on one group, 276 ms with one
-    group per direction), so a gloo channel has a group for messages from a lower to a higher rank
-    (``up``) and one for the way back (``down``); NCCL's batched point-to-point calls are duplex on one
-    group. Collectives of the channel (SFB's all-gather) run on ``up``."""
+    group per direction), so a gloo channel has a backend for messages from a lower to a higher rank
+    (``up``) and one for the way back (``down``); NCCL's coalesced point-to-point calls are duplex on
+    one. Collectives of the channel (all-gathers) run on ``up``."""
 
-    up: Any
-    down: Any
-    batched: bool  # issue point-to-point ops as one batch_isend_irecv on ``up`` (NCCL)
+    up: Backend
+    down: Backend
+    rank: int
+    size: int
+    coalesced: bool  # NCCL: issue a round's point-to-point ops as one coalesced group
 
     @classmethod
-    def create(cls, ranks: Sequence[int], backend: str, timeout: timedelta) -> "ChannelGroups":
-        up = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+    def create(cls, prefix: str, index: int, rank: int, size: int, backend: str,
+               timeout: timedelta) -> ChannelGroups:
+        up = make_backend(prefix, f"channel{index}-up", rank, size, backend, timeout)
         if backend == "nccl":
-            return cls(up, up, batched=True)
-        return cls(up, dist.new_group(list(ranks), timeout=timeout, backend=backend), batched=False)
+            return cls(up, up, rank, size, coalesced=True)
+        return cls(up, make_backend(prefix, f"channel{index}-down", rank, size, backend, timeout), rank, size,
+                   coalesced=False)
 
-    def for_message(self, src: int, dst: int) -> Any:
-        """The group that carries a message from global rank ``src`` to global rank ``dst``."""
-        return self.up if src < dst else self.down
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return (self.up if self.rank < peer else self.down).send([tensor], peer, tag)
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return (self.up if peer < self.rank else self.down).recv([tensor], peer, tag)
+
+    def all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        self.up._allgather_base(out, mine).wait()
 
 
-def assign_round_robin(num_syncers: int, num_channels: int) -> list[list[int]]:
-    """Syncer indices per channel: syncer i goes to channel i mod C, keeping the syncer order."""
-    channels = [[] for _ in range(min(num_channels, max(num_syncers, 1)))]
-    for i in range(num_syncers):
-        channels[i % len(channels)].append(i)
-    return channels
+@dataclass
+class Groups:
+    """All private backends of one wrapper: ``control`` (gloo, host tensors and small objects),
+    ``data`` (the training device's backend: parameter and buffer broadcasts, the link probe) and
+    one :class:`ChannelGroups` per sync channel."""
+
+    control: Collectives
+    data: Collectives
+    channels: list[ChannelGroups]
+
+    @classmethod
+    def create(cls, user_group: Any, backend: str, num_channels: int, timeout: timedelta) -> Groups:
+        prefix = unique_prefix(user_group)
+        rank, size = dist.get_rank(user_group), dist.get_world_size(user_group)
+        control = Collectives(make_backend(prefix, "control", rank, size, "gloo", timeout), rank, size)
+        data = Collectives(make_backend(prefix, "data", rank, size, backend, timeout), rank, size)
+        channels = [ChannelGroups.create(prefix, i, rank, size, backend, timeout) for i in range(num_channels)]
+        return cls(control, data, channels)
+
+
+#: run(key, groups, ready_ns): the job of ``key``, submitted at ``ready_ns`` (monotonic clock)
+JobRunner = Callable[[Hashable, ChannelGroups, int], None]
 
 
 class SyncChannel:
-    """One pool thread: runs ``run_job(syncer_index, groups, ready_ns)`` for its syncers in a fixed
-    order."""
+    """One pool thread: runs the jobs of its schedule, in schedule order, once per pass."""
 
-    def __init__(self, index: int, group: ChannelGroups, order: Sequence[int],
-                 run_job: Callable[[int, ChannelGroups, int], None],
-                 on_error: Callable[[int, BaseException], None]) -> None:
+    def __init__(self, index: int, groups: ChannelGroups, run: JobRunner,
+                 on_error: Callable[[Hashable, BaseException], None]) -> None:
         self.index = index
-        self.group = group
-        self.order = list(order)
-        self._run_job = run_job
+        self.groups = groups
+        self.schedule: list[Hashable] = []
+        self._run = run
         self._on_error = on_error
-        self._ready: dict[int, int] = {}
+        self._ready: dict[Hashable, int] = {}
+        self._generation = 0
         self._cond = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"poseidon-channel-{index}", daemon=True)
         self._thread.start()
 
-    def submit(self, syncer_index: int) -> None:
-        """Mark a syncer ready (any thread); its job runs when the channel reaches it in its order."""
+    def set_schedule(self, keys: Sequence[Hashable]) -> None:
+        """Replace the schedule (between passes only)."""
         with self._cond:
-            self._ready[syncer_index] = time.monotonic_ns()
+            self.schedule = list(keys)
+            self._generation += 1
             self._cond.notify()
 
-    def stop(self) -> None:
+    def submit(self, key: Hashable) -> None:
+        """Mark a job ready (any thread); it runs when the channel reaches it in its schedule."""
+        with self._cond:
+            self._ready[key] = time.monotonic_ns()
+            self._cond.notify()
+
+    def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
-    def _next_ready(self, syncer_index: int) -> int | None:
+    def _next(self, key: Hashable, generation: int) -> int | None:
+        """The ready time of ``key`` once submitted; None when stopped or the schedule changed."""
         with self._cond:
-            while syncer_index not in self._ready and not self._stopped:
+            while key not in self._ready and not self._stopped and generation == self._generation:
                 self._cond.wait()
-            return None if self._stopped else self._ready.pop(syncer_index)
+            if self._stopped or generation != self._generation:
+                return None
+            return self._ready.pop(key)
 
     def _loop(self) -> None:
-        while True:
-            for syncer_index in self.order:
-                ready_ns = self._next_ready(syncer_index)
+        while not self._stopped:
+            with self._cond:
+                generation, schedule = self._generation, list(self.schedule)
+                while not schedule and not self._stopped and generation == self._generation:
+                    self._cond.wait()
+            for key in schedule:
+                ready_ns = self._next(key, generation)
                 if ready_ns is None:
-                    return
+                    break
                 try:
-                    self._run_job(syncer_index, self.group, ready_ns)
+                    self._run(key, self.groups, ready_ns)
                 except BaseException as exc:  # reported to the training thread by the barrier
-                    self._on_error(syncer_index, exc)
+                    self._on_error(key, exc)
                     return
+
+
+def assign_round_robin(keys: Sequence[Hashable], num_channels: int) -> list[list[Hashable]]:
+    """Key i goes to channel i mod C, keeping the key order."""
+    channels: list[list[Hashable]] = [[] for _ in range(num_channels)]
+    for i, key in enumerate(keys):
+        channels[i % num_channels].append(key)
+    return channels
 
 
 class StreamPool:
-    """A fixed set of CUDA side streams, handed out round-robin per channel (one stream per channel)."""
+    """A fixed set of CUDA side streams, one per channel."""
 
     def __init__(self, device: torch.device, size: int) -> None:
         self.streams = [torch.cuda.Stream(device=device) for _ in range(size)]
 
-    def for_channel(self, channel_index: int) -> "torch.cuda.Stream":
+    def for_channel(self, channel_index: int) -> torch.cuda.Stream:
         return self.streams[channel_index % len(self.streams)]

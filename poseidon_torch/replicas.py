@@ -3,15 +3,16 @@
 Invariants:
 - ``check_same_model`` raises the same :class:`ModelMismatchError` on every rank (all ranks see every
   rank's signature), so a mismatch never leaves one rank waiting in a collective;
-- ``broadcast_from_rank0`` overwrites the given tensors with rank 0's values, one collective per dtype.
+- ``broadcast_from`` overwrites the given tensors with one rank's values, one collective per dtype.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from .pools import Collectives
 
 
 class ModelMismatchError(RuntimeError):
@@ -22,12 +23,10 @@ def model_signature(module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]
     return [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
 
 
-def check_same_model(module: nn.Module, options: dict, control_group) -> None:
-    world_size = dist.get_world_size(control_group)
-    mine = (model_signature(module), sorted(options.items()))
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=control_group)
-    for rank in range(1, world_size):
+def check_same_model(module: nn.Module, options: object, control: Collectives) -> None:
+    """Raise the same :class:`ModelMismatchError` on every rank if the ranks' models or options differ."""
+    everyone = control.all_gather_objects((model_signature(module), options))
+    for rank in range(1, control.size):
         problem = _first_difference(everyone[0], everyone[rank], rank)
         if problem:
             raise ModelMismatchError(f"PoseidonDDP: ranks 0 and {rank} disagree: {problem}")
@@ -45,25 +44,25 @@ def _first_difference(ref, other, rank: int) -> str | None:
         return (f"rank 0 has {len(ref_params)} parameters, rank {rank} has {len(params)} "
                 f"(first extra: {extra!r} on rank {which})")
     if ref_opts != opts:
-        return f"PoseidonDDP options differ: {dict(ref_opts)} on rank 0 vs {dict(opts)} on rank {rank}"
+        return f"PoseidonDDP options differ: {ref_opts} on rank 0 vs {opts} on rank {rank}"
     return None
 
 
-def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group, staged: bool) -> None:
-    """Overwrite ``tensors`` with rank 0's values; ``staged`` sends device tensors through host memory."""
-    by_dtype: dict[tuple, list[torch.Tensor]] = {}
+def broadcast_from(tensors: Iterable[torch.Tensor], data: Collectives, staged: bool, src: int) -> None:
+    """Overwrite ``tensors`` with the values of rank ``src``, one collective per dtype and device;
+    ``staged`` sends device tensors through host memory."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    for group_tensors in by_dtype.values():
-        _broadcast_coalesced(group_tensors, group, staged)
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for kind_tensors in by_kind.values():
+        _broadcast_coalesced(kind_tensors, data, staged, src)
 
 
-def _broadcast_coalesced(tensors: Sequence[torch.Tensor], group, staged: bool) -> None:
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+def _broadcast_coalesced(tensors: Sequence[torch.Tensor], data: Collectives, staged: bool, src: int) -> None:
     with torch.no_grad():
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         wire = flat.cpu() if staged else flat
-        dist.broadcast(wire, src=src, group=group)
+        data.broadcast(wire, src)
         flat = wire.to(flat.device) if staged else wire
         offset = 0
         for t in tensors:

@@ -1,36 +1,46 @@
 """Sufficient-factor broadcasting (SFB) for fully connected layers.
 
-Job: for an FC layer ``y = x W^T + b`` (W is M x N) the weight gradient over a batch of K samples is
-``dW = U^T V`` with U (K x M) the output gradients and V (K x N) the inputs, and ``db = U.sum(0)``.
-This module declares which module classes are FC (:func:`register_fc`, :func:`fc_spec`), records each
-rank's factors during forward/backward (:class:`FactorCapture`), all-gathers them
-(:func:`gather_factors`) and rebuilds the exact rank-averaged gradient with one matrix product
-(:func:`rebuild_gradients`).
+For an FC layer ``y = x W^T + b`` (W is M x N) the weight gradient over K samples is ``dW = U^T V`` with
+U (K x M) the output gradients and V (K x N) the inputs, and ``db = U.sum(0)``. Instead of the M x N
+gradient, every rank all-gathers the (U, V) of all ranks and rebuilds the exact average with one GEMM.
 
-Invariants:
-- A module is FC only if its exact class is registered: a subclass of ``nn.Linear`` may override
-  ``forward``, so it is not FC until someone registers it.
-- Capture holds no memory beyond what autograd already keeps alive: the input is kept as a detached
-  reference (autograd saves it anyway to compute dW) and only when the weight requires grad; the
-  output gradient is the tensor autograd hands to the layer's backward. Reshaping to (K, N) / (K, M)
-  happens lazily in :meth:`FactorCapture.local_factors`.
-- Factors are released after use: the owner calls :meth:`FactorCapture.clear` once the factors are
-  sent; after ``clear()`` the capture references no tensor.
-- Every leading position of an input with more than two dimensions is a sample (K = product of the
-  leading dimensions); every call of the module in one forward contributes its own samples.
-- Activation checkpointing re-runs forward hooks during backward and is not supported.
+Parts:
+- the registry of FC module classes (:func:`register_fc`, :func:`fc_spec`);
+- :class:`FCLayer`: one FC module's calls. When the coordinator *commits* the layer to SFB for a round
+  of forwards, each call inside the wrapper's synced forward sees its weight and bias swapped for
+  detached stand-ins, so autograd skips the local weight-gradient GEMM; the call's input V is kept and
+  its output gradient U recorded when backward reaches it. A stand-in *witness* leaf (the detached bias,
+  or a zero added to the output) is accumulated by autograd exactly once per backward, after every
+  reached call has its U: that is the layer's readiness, and it happens only in backward passes that
+  accumulate (never in ``torch.autograd.grad``);
+- :class:`SFBPath`: the sync of a one-layer bucket: all-gather every rank's factors with a header,
+  rebuild, add the average to ``.grad``.
+
+Invariants (SFB only where it is exact):
+- the rebuild *adds* the average to ``.grad``, which then holds only the previous, already synced value
+  (identical on every rank), so every rank computes the same bits;
+- a rank whose local gradient is not exactly its captured factors (a use of W or b outside the captured
+  calls: a penalty term, a call outside the wrapper's forward, checkpoint recomputation; local no_sync
+  accumulation; a call that was not detached; user hooks on W or b) says so in the header, and every
+  rank then sends the layer through the PS path for this pass, with each rank's full local gradient
+  (the factors' part added in, the user's tensor hooks applied to it): exact in every case;
+- a backward with ``create_graph=True`` through a detached call cannot be exact (the higher-order
+  gradient of W is lost) and raises at once; layers seen in such a pass are never committed;
+- factors travel in the parameter's dtype and the rebuild runs in fp32;
+- copies of the module (``copy.deepcopy``, pickling) get inert hooks.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
-from .syncer import Syncer
+from .bucket import Bucket, Layer
+from .kvstore import PSPath
+from .pools import ChannelGroups
 
 @dataclass(frozen=True)
 class FCSpec:
@@ -88,273 +98,411 @@ def fc_spec(module: nn.Module) -> FCSpec | None:
 register_fc(nn.Linear)
 
 
-@dataclass
-class _Use:
-    """One call of the module: its input and, once backward reached it, its output gradient."""
 
-    input: Tensor
-    grad_output: Tensor | None = None
-
-
-def _cat_rows(parts: list[Tensor]) -> Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-class FactorCapture:
-    """Records the sufficient factors (output gradients U, inputs V) of one FC module.
-
-    A forward hook keeps the input of every call made with grad enabled whose output requires grad, and
-    registers a hook on that output which stores its gradient when backward reaches it."""
-
-    def __init__(self, module: nn.Module, spec: FCSpec) -> None:
-        self._module = module
-        self._spec = spec
-        self._weight = spec.weight_of(module)  # the parameter itself, even while SFBLayer detaches it
-        self._uses: list[_Use] = []
-        self.enabled = True  #: off while gradients only accumulate locally (no_sync)
-        self.on_complete: Callable[[], None] | None = None  #: called once every call has its U
-        self._handle: RemovableHandle | None = module.register_forward_hook(self._on_forward)
-
-    def _on_forward(self, module: nn.Module, args: tuple, output: object) -> None:
-        # output.requires_grad implies grad mode; a frozen weight means autograd keeps no input for dW.
-        if not self.enabled or not (isinstance(output, Tensor) and output.requires_grad):
-            return
-        if not self._weight.requires_grad:
-            return
-        if len(args) <= self._spec.input_arg:
-            raise RuntimeError(
-                f"{type(module).__name__}: FC input is positional argument {self._spec.input_arg}, "
-                f"but forward got {len(args)} positional argument(s)"
-            )
-        x = args[self._spec.input_arg]
-        m, n = self._spec.out_features(module), self._spec.in_features(module)
-        if x.shape[-1] != n or output.shape[-1] != m:
-            raise RuntimeError(
-                f"{type(module).__name__} is registered as FC with M={m}, N={n}, but a call mapped "
-                f"{tuple(x.shape)} to {tuple(output.shape)}"
-            )
-        use = _Use(x.detach())
-        self._uses.append(use)
-        output.register_hook(lambda grad: self._store(use, grad))
-
-    def _store(self, use: _Use, grad: Tensor) -> None:
-        use.grad_output = grad
-        if self.on_complete is not None and all(u.grad_output is not None for u in self._uses):
-            self.on_complete()
-
-    @property
-    def num_samples(self) -> int:
-        """K recorded in forward, summed over the calls of the module."""
-        n = self._spec.in_features(self._module)
-        return sum(use.input.numel() // n for use in self._uses)
-
-    def local_factors(self) -> tuple[Tensor, Tensor]:
-        """(U, V): U (K x M) the output gradients, V (K x N) the inputs, concatenated over calls in
-        forward order, in their promoted dtype. A call whose output got no gradient (not part of the
-        loss) contributed nothing to dW and is left out. Call it once backward is past the layer."""
-        m, n = self._spec.out_features(self._module), self._spec.in_features(self._module)
-        reached = [use for use in self._uses if use.grad_output is not None]
-        if not reached:
-            weight = self._spec.weight_of(self._module)
-            return weight.new_empty((0, m)), weight.new_empty((0, n))
-        u = _cat_rows([use.grad_output.reshape(-1, m) for use in reached])
-        v = _cat_rows([use.input.reshape(-1, n) for use in reached])
-        dtype = torch.promote_types(u.dtype, v.dtype)
-        return u.to(dtype), v.to(dtype)
-
-    def clear(self) -> None:
-        """Drop every recorded input and output gradient."""
-        self._uses = []
-
-    def remove(self) -> None:
-        """Remove the forward hook and drop what was recorded."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-        self.clear()
-
-
-def rebuild_gradients(
-    u_all: Tensor, v_all: Tensor, world_size: int, spec: FCSpec
-) -> tuple[Tensor, Tensor | None]:
-    """The rank-averaged gradient from all ranks' factors: ``grad_W = U^T V / P`` (M x N; its transpose
-    N x M for transposed specs) with one matrix product, and ``grad_b = U.sum(0) / P`` if the spec has
-    a bias, else None."""
-    u_scaled = u_all / world_size
-    grad_w = v_all.t() @ u_scaled if spec.transposed else u_scaled.t() @ v_all
-    grad_b = u_scaled.sum(0) if spec.bias is not None else None
-    return grad_w, grad_b
-
-
-def sfb_bytes_per_rank(k: int, m: int, n: int, world_size: int, element_size: int = 4) -> int:
-    """Bytes one rank sends in :func:`gather_factors`, K being the largest K over the ranks.
-
-    A ring all-gather of P blocks sends P-1 blocks per rank; a block is K x (M + N) values, padded to
-    the largest K: ``(P - 1) * K * (M + N) * element_size``. (The K's themselves travel once per
-    iteration for all FC layers together, in the coordinator's exchange.)"""
-    return (world_size - 1) * k * (m + n) * element_size
-
-
-def gather_factors(
-    u: Tensor, v: Tensor, counts: list[int], group: dist.ProcessGroup | None = None
-) -> tuple[Tensor, Tensor, int]:
-    """All-gather every rank's factors (U: K x M, V: K x N; rank r has ``counts[r]`` rows, known to
-    every rank beforehand) as one padded packed tensor K_max x (M + N) per rank, in one collective.
-    Returns (U_all, V_all, bytes sent by this rank), rows in rank order, padding stripped; the bytes
-    follow :func:`sfb_bytes_per_rank`."""
-    if u.shape[0] != v.shape[0] or u.dtype != v.dtype or u.device != v.device:
-        raise ValueError(
-            f"U and V must have the same rows, dtype and device: {tuple(u.shape)} {u.dtype} {u.device}"
-            f" vs {tuple(v.shape)} {v.dtype} {v.device}"
-        )
-    world_size = dist.get_world_size(group)
-    (k, m), n = u.shape, v.shape[1]
-    if counts[dist.get_rank(group)] != k:
-        raise ValueError(f"this rank has {k} factor rows but announced {counts[dist.get_rank(group)]}")
-    k_max = max(counts)
-    packed = u.new_zeros((k_max, m + n))
-    packed[:k, :m] = u
-    packed[:k, m:] = v
-    blocks = [torch.empty_like(packed) for _ in range(world_size)]
-    dist.all_gather(blocks, packed, group=group)
-    u_all = torch.cat([block[:count, :m] for block, count in zip(blocks, counts)])
-    v_all = torch.cat([block[:count, m:] for block, count in zip(blocks, counts)])
-    return u_all, v_all, sfb_bytes_per_rank(k_max, m, n, world_size, packed.element_size())
-
-
-
-class SFBLayer:
-    """The SFB path of one FC syncer: its factor capture and the sync job that replaces ``.grad`` by
-    the rank average rebuilt from everyone's factors.
-
-    ``.grad`` may already hold a value when backward accumulates into it (no ``zero_grad`` between
-    iterations, or ``zero_grad(set_to_none=False)``); that value is the same on every rank, since it was
-    synced. A gradient hook then keeps this backward's local contribution so the job can produce
-    ``old + average(new)`` exactly as an all-reduce of the whole ``.grad`` would. Gradients accumulated
-    under ``no_sync`` are NOT the same on every rank: the engine sends such a layer through the PS path.
-
-    With ``detach_weight`` set (the layer is committed to SFB before its forward), the module sees its
-    weight detached during its own calls, so autograd skips the local weight-gradient GEMM that the
-    rebuild would overwrite anyway: the FC layer's gradient work is one GEMM over P K rows instead of K
-    plus P K, and every rank still computes the same bits. The capture then tells the engine when the
-    factors are complete (``capture.on_complete``), since no weight gradient will arrive.
-    """
-
-    def __init__(self, module: nn.Module, spec: FCSpec, params: list[nn.Parameter]) -> None:
-        self.module, self.spec = module, spec
-        self.weight = spec.weight_of(module)
-        self.detach_weight = False
-        self.capture = FactorCapture(module, spec)
-        self.targets = [(p, role) for p, role in ((self.weight, "weight"),
-                                                  (_bias_of(module, spec), "bias"))
-                        if p is not None and any(p is q for q in params)]
-        self._fresh: dict[str, Tensor] = {}  # this backward's local gradient, where .grad held a value
-        self._fired: set[str] = set()  # roles that received a gradient in this backward
-        self._hooks = [p.register_hook(self._keeper(p, role)) for p, role in self.targets]
-        self._hooks += [module.register_forward_pre_hook(self._swap_in),
-                        module.register_forward_hook(lambda *_: self.restore())]
-
-    def _swap_in(self, module: nn.Module, args: tuple) -> None:
-        if not self.detach_weight:
-            return
-        stand_in = self.weight.detach()
-        x = args[self.spec.input_arg] if len(args) > self.spec.input_arg else None
-        bias = _bias_of(module, self.spec)
-        if not ((isinstance(x, Tensor) and x.requires_grad) or (bias is not None and bias.requires_grad)):
-            # no other path into the graph: keep one, or the output would not get the gradient U
-            stand_in.requires_grad_()
-        module._parameters[self.spec.weight] = stand_in
-
-    def restore(self) -> None:
-        """Put the weight parameter back (after the module's call, or after a forward that raised)."""
-        if self.module._parameters[self.spec.weight] is not self.weight:
-            self.module._parameters[self.spec.weight] = self.weight
-
-    @property
-    def m(self) -> int:
-        return self.spec.out_features(self.module)
-
-    @property
-    def n(self) -> int:
-        return self.spec.in_features(self.module)
-
-    def _keeper(self, param: nn.Parameter, role: str):
-        def keep_if_accumulating(grad: Tensor) -> None:
-            if not self.capture.enabled:
-                return
-            self._fired.add(role)
-            if param.grad is not None:
-                self._fresh[role] = grad
-        return keep_if_accumulating
-
-    def discard(self) -> None:
-        """This iteration goes through the PS path: drop the factors."""
-        self.capture.clear()
-        self._fresh.clear()
-        self._fired.clear()
-
-    def exchange(self, counts: list[int], group, staged: bool) -> tuple[Tensor, Tensor, int]:
-        """The network part: all-gather every rank's factors (U_all, V_all, bytes sent). ``counts`` are
-        the K's announced at forward; a call whose output got no gradient has no factors and is sent
-        as zero rows, which add nothing to U^T V or to the summed U."""
-        u, v = self.capture.local_factors()
-        self.capture.clear()
-        missing = counts[dist.get_rank(group)] - u.shape[0]
-        if missing > 0:
-            u = torch.cat([u, u.new_zeros(missing, u.shape[1])])
-            v = torch.cat([v, v.new_zeros(missing, v.shape[1])])
-        if staged:
-            u, v = u.cpu(), v.cpu()
-        return gather_factors(u, v, counts, group)
-
-    def rebuild(self, u_all: Tensor, v_all: Tensor, world_size: int) -> None:
-        """The compute part: replace ``.grad`` by the rank average rebuilt from all factors."""
-        if u_all.shape[0] > 0:  # else no rank used the layer: its gradients stay untouched, as in DDP
-            grad_w, grad_b = rebuild_gradients(u_all, v_all, world_size, self.spec)
-            averages = {"weight": grad_w, "bias": grad_b}
-            for param, role in self.targets:
-                self._write(param, averages[role].to(param.device), role)
-        self.discard()
-
-    def _write(self, param: nn.Parameter, average: Tensor, role: str) -> None:
-        fresh = self._fresh.get(role)
-        if fresh is not None:  # .grad = old + fresh: keep old, replace the local part by the average
-            param.grad.sub_(fresh).add_(average)
-        elif param.grad is None:
-            param.grad = average.contiguous()
-        elif role in self._fired:  # .grad is this backward's local gradient only
-            param.grad.copy_(average)
-        else:  # unused on this rank: .grad is the old, already synced value
-            param.grad.add_(average)
-
-    def remove(self) -> None:
-        self.restore()
-        self.capture.remove()
-        for hook in self._hooks:
-            hook.remove()
+register_fc(nn.Linear)
 
 
 def _bias_of(module: nn.Module, spec: FCSpec) -> Tensor | None:
     return getattr(module, spec.bias) if spec.bias is not None else None
 
 
-def sfb_layers(syncers: list[Syncer], model: nn.Module) -> dict[int, SFBLayer]:
-    """The syncers that can take the SFB path, by syncer index: a syncer of exactly one registered FC
-    module whose trainable weight (and bias) are all its parameters, and no other module shares them
-    (a weight tied to another module gets gradient the factors do not see)."""
-    owners: dict[int, set[int]] = {}
+# ---- the wire format of one rank's factors --------------------------------------------------------
+
+HEADER = ("rows", "exact", "aborted")  # int64 fields before the factors
+_HEADER_BYTES = 8 * len(HEADER)
+
+
+def block_bytes(k: int, m: int, n: int, element_size: int) -> int:
+    """Bytes of one rank's block: the header, then K rows of [U | V], padded to a multiple of 8."""
+    return -(-(_HEADER_BYTES + k * (m + n) * element_size) // 8) * 8
+
+
+def sfb_bytes_per_rank(k: int, m: int, n: int, world_size: int, element_size: int = 4) -> int:
+    """Bytes one rank sends in one factor all-gather padded to K rows: a ring all-gather of P blocks
+    sends P - 1 blocks per rank."""
+    return (world_size - 1) * block_bytes(k, m, n, element_size)
+
+
+def sfb_messages(world_size: int) -> int:
+    """Sequential ring steps of the one all-gather."""
+    return world_size - 1
+
+
+@dataclass
+class Gathered:
+    """Every rank's header and factors after an all-gather, rows in rank order, padding stripped."""
+
+    headers: list[dict[str, int]]
+    u: Tensor  # (sum K) x M
+    v: Tensor  # (sum K) x N
+    bytes_sent: int
+
+
+def exchange_factors(header: dict[str, int], u: Tensor, v: Tensor, k_pad: int, groups: ChannelGroups,
+                     wire_device: torch.device) -> Gathered:
+    """All-gather every rank's (header, U, V) in one collective, each block padded to ``k_pad`` rows
+    (a rank with more rows sends the first ``k_pad``; its header says how many it has, so the caller
+    can exchange again with room for all)."""
+    world_size = groups.size
+    (k, m), n = u.shape, v.shape[1]
+    nbytes = block_bytes(k_pad, m, n, u.element_size())
+    block = torch.zeros(nbytes, dtype=torch.uint8, device=wire_device)
+    block[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor([header[f] for f in HEADER]))
+    rows = min(k, k_pad)
+    payload = _payload(block, k_pad, m + n, u.dtype)
+    payload[:rows, :m] = u[:rows]
+    payload[:rows, m:] = v[:rows]
+    everyone = torch.empty(world_size * nbytes, dtype=torch.uint8, device=wire_device)
+    groups.all_gather(everyone, block)
+    headers, us, vs = [], [], []
+    for r in range(world_size):
+        own = everyone[r * nbytes:(r + 1) * nbytes]
+        fields = own[:_HEADER_BYTES].view(torch.int64).tolist()
+        headers.append(dict(zip(HEADER, fields)))
+        data = _payload(own, k_pad, m + n, u.dtype)[:min(fields[0], k_pad)]
+        us.append(data[:, :m])
+        vs.append(data[:, m:])
+    return Gathered(headers, torch.cat(us), torch.cat(vs), (world_size - 1) * nbytes)
+
+
+def _payload(block: Tensor, rows: int, width: int, dtype: torch.dtype) -> Tensor:
+    return block[_HEADER_BYTES:_HEADER_BYTES + rows * width * dtype.itemsize].view(dtype).view(rows, width)
+
+
+def rebuild_gradients(u_all: Tensor, v_all: Tensor, world_size: int, spec: FCSpec) -> tuple[Tensor, Tensor]:
+    """The rank-averaged gradients from all ranks' factors, computed in fp32: ``grad_W = U^T V / P``
+    (its transpose for transposed specs) with one matrix product, and ``grad_b = U.sum(0) / P``."""
+    u_scaled = u_all.float() / world_size
+    v = v_all.float()
+    grad_w = v.t() @ u_scaled if spec.transposed else u_scaled.t() @ v
+    return grad_w, u_scaled.sum(0)
+
+
+# ---- one FC module's calls ------------------------------------------------------------------------
+
+#: Sticky facts about a layer, shared with every rank at the end of each pass; any of them on any rank
+#: keeps the layer off SFB for good (the plan never commits it).
+CREATE_GRAPH = 1   # a backward with create_graph=True went through a call of the layer
+UNCOVERED = 2      # W or b got gradient from outside the captured calls (penalty, outside call, ...)
+HOOKED = 4         # user hooks on W or b (tensor hooks, or post-accumulate hooks besides the engine's)
+CHECKPOINTED = 8   # a call ran under saved-tensor hooks (activation checkpointing, offloading)
+ACCUMULATED = 16   # its gradient accumulated locally (no_sync) before a synced backward
+STICKY_NAMES = {CREATE_GRAPH: "create_graph backward", UNCOVERED: "gradient from outside its calls",
+                HOOKED: "user hooks on its parameters", CHECKPOINTED: "activation checkpointing",
+                ACCUMULATED: "gradient accumulation under no_sync"}
+
+#: The engine registers one post-accumulate-grad hook on every parameter (its readiness).
+ENGINE_POST_ACCUMULATE_HOOKS = 1
+
+
+class EngineHook:
+    """A module hook bound to the engine. Copies of the module (``copy.deepcopy``, pickling) get an
+    inert hook instead, so an EMA copy of the inner module is a plain module."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict) -> Callable:
+        return inert_hook
+
+    def __reduce__(self):
+        return _inert_hook_factory, ()
+
+
+def inert_hook(*args) -> None:
+    return None
+
+
+def _inert_hook_factory() -> Callable:
+    return inert_hook
+
+
+class _Use:
+    """One detached call: its input V and, once a backward reached it, its output gradient U and the
+    graph task (backward pass) that produced U."""
+
+    __slots__ = ("input", "grad_output", "task", "__weakref__")
+
+    def __init__(self, x: Tensor) -> None:
+        self.input = x
+        self.grad_output: Tensor | None = None
+        self.task = -1
+
+
+class FCLayer:
+    """The calls of one FC module: rows per round (K), detached calls' factors, readiness, facts.
+
+    A use lives as long as the autograd graph of its call (its record hangs on the output's gradient
+    hook), so a second backward through a retained graph finds its input again, and nothing outlives
+    the graph."""
+
+    def __init__(self, name: str, module: nn.Module, spec: FCSpec,
+                 in_forward: Callable[[], bool], in_synced_forward: Callable[[], bool]) -> None:
+        self.name, self.module, self.spec = name, module, spec
+        self.weight = spec.weight_of(module)
+        self.bias = _bias_of(module, spec)
+        self.params = [p for p in (self.weight, self.bias) if p is not None]
+        self.m, self.n = spec.out_features(module), spec.in_features(module)
+        self.commit = False  #: detach this round's calls (the plan chose SFB)
+        self.k_round = 0     #: rows of this round's calls inside the wrapper's synced forwards
+        self.sticky = 0      #: facts that keep the layer off SFB, see CREATE_GRAPH and friends
+        self.on_factors: Callable[[FCLayer, Tensor], None] | None = None
+        self._in_forward, self._in_synced_forward = in_forward, in_synced_forward
+        self._uses: list[weakref.ref[_Use]] = []
+        self._witness: Tensor | None = None
+        self._calls: list[bool | None] = []
+        with torch.enable_grad():
+            self.accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in self.params]
+        self._handles = [module.register_forward_pre_hook(EngineHook(self._before_call)),
+                         module.register_forward_hook(EngineHook(self._after_call))]
+
+    @property
+    def witness(self) -> Tensor | None:
+        """This round's stand-in leaf, None if no call was detached in this round."""
+        return self._witness
+
+    def begin_round(self, commit: bool) -> None:
+        """A new round of synced forwards begins (the previous one was backpropagated)."""
+        self.commit, self.k_round, self._witness = commit, 0, None
+        self._uses = [ref for ref in self._uses if ref() is not None]
+
+    # ---- forward hooks ------------------------------------------------------------------------
+
+    def _before_call(self, module: nn.Module, args: tuple) -> None:
+        state = None
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            if not self._in_forward():
+                self.sticky |= UNCOVERED  # called outside the wrapper's forward, e.g. recomputed in backward
+            elif self._in_synced_forward():
+                if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+                    self.sticky |= CHECKPOINTED
+                else:
+                    if self._hooked():
+                        self.sticky |= HOOKED
+                    state = self.commit
+                    if state:
+                        self._swap_in()
+        self._calls.append(state)
+
+    def _after_call(self, module: nn.Module, args: tuple, output: object) -> Tensor | None:
+        detached = self._calls.pop() if self._calls else None
+        if detached:
+            self.restore()
+        if detached is None or not isinstance(output, Tensor):
+            return None
+        x = self._input_of(args, output)
+        self.k_round += x.numel() // self.n
+        if not detached:
+            if output.requires_grad:
+                output.register_hook(self._watch)
+            return None
+        if self.bias is None:  # the witness keeps the call in the graph, whatever else is detached
+            output = output + self._witness
+        use = _Use(x.detach())
+        self._uses.append(weakref.ref(use))
+        output.register_hook(_UseRecorder(self, use))
+        return output
+
+    def _input_of(self, args: tuple, output: Tensor) -> Tensor:
+        arg = self.spec.input_arg
+        if len(args) <= arg:
+            raise RuntimeError(f"{type(self.module).__name__} {self.name!r}: FC input is positional argument "
+                               f"{arg}, but forward got {len(args)} positional argument(s)")
+        x = args[arg]
+        if x.shape[-1] != self.n or output.shape[-1] != self.m:
+            raise RuntimeError(f"{type(self.module).__name__} {self.name!r} is registered as FC with "
+                               f"M={self.m}, N={self.n}, but a call mapped {tuple(x.shape)} to {tuple(output.shape)}")
+        return x
+
+    def _watch(self, grad: Tensor) -> None:
+        if torch.is_grad_enabled():
+            self.sticky |= CREATE_GRAPH
+
+    def _hooked(self) -> bool:
+        return any(p._backward_hooks or len(p._post_accumulate_grad_hooks or ()) > ENGINE_POST_ACCUMULATE_HOOKS
+                   for p in self.params)
+
+    def _swap_in(self) -> None:
+        if self._witness is None:
+            stand_in = self.bias.detach() if self.bias is not None else self.weight.new_zeros(())
+            self._witness = stand_in.requires_grad_()
+            self._witness.register_post_accumulate_grad_hook(self._witness_accumulated)
+        self.module._parameters[self.spec.weight] = self.weight.detach()
+        if self.bias is not None:
+            self.module._parameters[self.spec.bias] = self._witness
+
+    def restore(self) -> None:
+        """Put the parameters back after a call."""
+        self.module._parameters[self.spec.weight] = self.weight
+        if self.bias is not None:
+            self.module._parameters[self.spec.bias] = self.bias
+
+    def reset_calls(self) -> None:
+        """After the wrapper's forward, also one that raised half way through a call."""
+        if self._calls:
+            self._calls.clear()
+            self.restore()
+
+    def _witness_accumulated(self, witness: Tensor) -> None:
+        witness.grad = None
+        if self.on_factors is not None:
+            self.on_factors(self, witness)
+
+    # ---- the sync job's side ------------------------------------------------------------------
+
+    def local_factors(self, task: int) -> tuple[Tensor, Tensor]:
+        """(U, V) of the detached calls that backward pass ``task`` reached, in the parameters' dtype."""
+        uses = [use for use in (ref() for ref in self._uses)
+                if use is not None and use.task == task and use.grad_output is not None]
+        if not uses:
+            return self.weight.new_empty((0, self.m)), self.weight.new_empty((0, self.n))
+        dtype = self.weight.dtype
+        u = torch.cat([use.grad_output.reshape(-1, self.m).to(dtype) for use in uses])
+        v = torch.cat([use.input.reshape(-1, self.n).to(dtype) for use in uses])
+        return u, v
+
+    def consume(self, task: int) -> None:
+        """Drop the output gradients pass ``task`` recorded (a retained graph records them anew)."""
+        for use in (ref() for ref in self._uses):
+            if use is not None and use.task == task:
+                use.grad_output = None
+
+    def exact_locally(self, bucket: Bucket) -> bool:
+        """Whether this rank's local gradient of the layer in this pass is exactly its captured factors
+        and ``.grad`` holds only the synced past: nothing else accumulated, no unsynced local gradient,
+        no user hooks that the factors would bypass."""
+        if any(bucket.dirty):
+            self.sticky |= ACCUMULATED
+            return False
+        if any(bucket.seen):
+            if self._witness is not None:
+                self.sticky |= UNCOVERED
+            return False
+        if self._hooked():
+            self.sticky |= HOOKED
+            return False
+        return True
+
+    def materialize(self, bucket: Bucket, u: Tensor, v: Tensor) -> None:
+        """Add the factors' local gradient to ``.grad``, as autograd would have (the user's tensor
+        hooks applied), so the PS path can average full local gradients."""
+        if u.shape[0] == 0:
+            return
+        grad_w, grad_b = rebuild_gradients(u, v, 1, self.spec)
+        for p, grad in zip(self.params, (grad_w, grad_b)):
+            grad = grad.to(p.dtype)
+            for hook in (p._backward_hooks or {}).values():
+                result = hook(grad)
+                grad = grad if result is None else result
+            p.grad = grad if p.grad is None else p.grad + grad
+            bucket.seen[bucket.position[id(p)]] = True
+
+    def add_average(self, grad_w: Tensor, grad_b: Tensor) -> None:
+        for p, grad in zip(self.params, (grad_w, grad_b)):
+            grad = grad.to(p.dtype)
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad += grad
+
+    def remove(self) -> None:
+        self.restore()
+        for handle in self._handles:
+            handle.remove()
+        self._uses = []
+        self._witness = None
+
+
+class _UseRecorder:
+    """The gradient hook on a detached call's output: records U and the pass; raises for
+    create_graph passes, which the detached weight cannot serve."""
+
+    __slots__ = ("layer", "use")
+
+    def __init__(self, layer: FCLayer, use: _Use) -> None:
+        self.layer, self.use = layer, use
+
+    def __call__(self, grad: Tensor) -> None:
+        if torch.is_grad_enabled():
+            self.layer.sticky |= CREATE_GRAPH
+            name = self.layer.name
+            raise RuntimeError(
+                f"PoseidonDDP: a backward with create_graph=True (e.g. a gradient penalty) reached FC layer "
+                f"{name!r}, which this step sends through SFB; SFB cannot give the higher-order gradient of "
+                f"its weight. The layer stays on the PS path from the next step; pass overrides={{{name!r}: "
+                "'PS'} (or hybrid=False) to avoid this error when such penalties start later in training.")
+        self.use.grad_output = grad
+        self.use.task = torch._C._current_graph_task_id()
+
+
+def fc_layers(layers: list[Layer], model: nn.Module, in_forward: Callable[[], bool],
+              in_synced_forward: Callable[[], bool]) -> dict[str, FCLayer]:
+    """The layers that can take the SFB path, by layer name: exactly one registered FC module whose
+    trainable weight (and bias) are all its parameters, not shared with another module (a weight tied
+    to another module gets gradient the factors do not see)."""
+    owners: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), set()).add(id(module))
+            owners[id(p)] = owners.get(id(p), 0) + 1
     eligible = {}
-    for syncer in syncers:
-        if len(syncer.layers) != 1:
+    for layer in layers:
+        spec = fc_spec(layer.module)
+        if spec is None or not spec.weight_of(layer.module).requires_grad or layer.name.count("#"):
             continue
-        module = syncer.layers[0].module
-        spec = fc_spec(module)
-        if spec is None or not spec.weight_of(module).requires_grad:
-            continue
-        own = {id(spec.weight_of(module)), id(_bias_of(module, spec))}
-        if all(id(p) in own and len(owners[id(p)]) == 1 for p in syncer.params):
-            eligible[syncer.index] = SFBLayer(module, spec, syncer.params)
+        own = {id(spec.weight_of(layer.module)), id(_bias_of(layer.module, spec))}
+        if all(id(p) in own and owners[id(p)] == 1 for _, p in layer.params):
+            eligible[layer.name] = FCLayer(layer.name, layer.module, spec, in_forward, in_synced_forward)
     return eligible
+
+
+# ---- the SFB path -----------------------------------------------------------------------------------
+
+class SFBPath:
+    """The sync of a one-layer FC bucket: all-gather the factors, rebuild, add the average."""
+
+    name = "SFB"
+
+    def __init__(self, ps: PSPath, world_size: int, wire_device: torch.device) -> None:
+        self.ps, self.world_size, self.wire_device = ps, world_size, wire_device
+
+    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
+        """Sync one FC layer's bucket through SFB (``ctx``: the engine's SyncContext, with the pass's
+        backward ``task`` and the rows ``k_pad`` to make room for)."""
+        layer = bucket.fc
+        yield "gather"
+        u, v = layer.local_factors(ctx.task)
+        if ctx.shadow:
+            u, v = u[:0], v[:0]
+        exact = ctx.shadow or (not ctx.aborted and layer.exact_locally(bucket))
+        header = {"rows": u.shape[0], "exact": int(exact), "aborted": int(ctx.aborted)}
+        wire_u, wire_v = u.to(self.wire_device), v.to(self.wire_device)
+        yield "network"
+        got = exchange_factors(header, wire_u, wire_v, ctx.k_pad, groups, self.wire_device)
+        sent = got.bytes_sent
+        if any(h["aborted"] for h in got.headers) or not all(h["exact"] for h in got.headers):
+            # someone's local gradient is more than its factors (or a backward was aborted): every
+            # rank sends its whole local gradient through the PS path instead, exact in every case
+            if not ctx.shadow:
+                layer.materialize(bucket, u, v)
+            layer.consume(ctx.task)
+            synced = yield from self.ps.sync(bucket, groups, ctx)
+            bucket.bytes_sent += sent
+            bucket.outcome = "SFB->PS"
+            return synced
+        k_max = max(h["rows"] for h in got.headers)
+        if k_max > ctx.k_pad:  # more rows than last pass: again, with room for all
+            got = exchange_factors(header, wire_u, wire_v, k_max, groups, self.wire_device)
+            sent += got.bytes_sent
+        bucket.bytes_sent = sent
+        bucket.outcome = self.name
+        bucket.used_anywhere = [k_max > 0] * len(bucket.params)
+        layer.consume(ctx.task)
+        if ctx.shadow or k_max == 0:  # no rank used the layer: its gradients stay untouched, as in DDP
+            return k_max > 0
+        yield "rebuild"
+        grad_w, grad_b = rebuild_gradients(got.u, got.v, self.world_size, layer.spec)
+        layer.add_average(grad_w.to(bucket.device), grad_b.to(bucket.device))
+        return True

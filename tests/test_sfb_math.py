@@ -1,28 +1,26 @@
-"""SFB rebuilds exactly the rank-averaged gradient autograd computes; capture holds nothing after clear()."""
+"""SFB on its own: committed calls skip the local dW, their factors rebuild exactly the rank-averaged
+gradient autograd computes, uses live as long as their graph, and the wire format round-trips."""
 from __future__ import annotations
 
 import copy
-import queue
-import socket
-import traceback
+import gc
+import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from poseidon_torch.coordinator import probe_gemm_flops, probe_link
+import workers
 from poseidon_torch.sfb import (
-    FactorCapture,
+    CREATE_GRAPH,
+    FCLayer,
+    EngineHook,
     fc_spec,
-    gather_factors,
+    inert_hook,
     rebuild_gradients,
     register_fc,
-    sfb_bytes_per_rank,
 )
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -55,40 +53,57 @@ def make_fc(m: int, n: int, bias: bool, transposed: bool) -> nn.Module:
 
 def weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     spec = fc_spec(module)
-    bias = getattr(module, spec.bias) if spec.bias else None
-    return getattr(module, spec.weight), bias
+    return getattr(module, spec.weight), (getattr(module, spec.bias) if spec.bias else None)
 
 
-def run_rank(module: nn.Module, batches: list[torch.Tensor], seed: int) -> FactorCapture:
-    """One rank's iteration: every batch is one call of ``module``; a nonlinear loss over all calls."""
-    generator = torch.Generator().manual_seed(seed)
-    capture = FactorCapture(module, fc_spec(module))
-    loss = sum((torch.tanh(module(x)) * torch.randn(x.shape[:-1] + (1,), generator=generator)).sum()
-               for x in batches)
+def committed(module: nn.Module, commit: bool = True) -> FCLayer:
+    """The module's FCLayer as inside a synced forward, committed to SFB for this round."""
+    layer = FCLayer("fc", module, fc_spec(module), in_forward=lambda: True, in_synced_forward=lambda: True)
+    layer.begin_round(commit)
+    return layer
+
+
+def backward(loss: torch.Tensor) -> int:
+    """Run ``loss.backward()``; the pass's graph task id."""
+    task = []
+    loss.register_hook(lambda grad: task.append(torch._C._current_graph_task_id()))
     loss.backward()
-    return capture
+    return task[0]
+
+
+def rank_loss(module: nn.Module, batches: list[torch.Tensor], seed: int) -> torch.Tensor:
+    """One rank's loss: every batch is one call of ``module``; a nonlinear loss over all calls."""
+    generator = torch.Generator().manual_seed(seed)
+    return sum((torch.tanh(module(x)) * torch.randn(x.shape[:-1] + (1,), generator=generator)).sum()
+               for x in batches)
 
 
 def check_rebuild(base: nn.Module, rank_batches: list[list[torch.Tensor]]) -> None:
-    """Simulate len(rank_batches) ranks: rebuilt factors == mean of the ranks' autograd gradients."""
+    """Simulate len(rank_batches) ranks: the factors of committed replicas rebuild the mean of plain
+    replicas' autograd gradients, and the committed replicas' autograd computed no weight gradient."""
     world_size = len(rank_batches)
-    spec = fc_spec(base)
     factors, weight_grads, bias_grads = [], [], []
     for rank, batches in enumerate(rank_batches):
+        plain = copy.deepcopy(base)
+        rank_loss(plain, batches, seed=rank).backward()
+        weight, bias = weight_and_bias(plain)
+        weight_grads.append(weight.grad if weight.grad is not None else torch.zeros_like(weight))
+        bias_grads.append(None if bias is None else (bias.grad if bias.grad is not None else torch.zeros_like(bias)))
         replica = copy.deepcopy(base)
-        capture = run_rank(replica, batches, seed=rank)
-        assert capture.num_samples == sum(x.numel() // x.shape[-1] for x in batches)
-        factors.append(capture.local_factors())
-        weight, bias = weight_and_bias(replica)
-        weight_grads.append(weight.grad)
-        bias_grads.append(None if bias is None else bias.grad)
+        layer = committed(replica)
+        loss = rank_loss(replica, batches, seed=rank)
+        if not loss.requires_grad:  # no rows anywhere
+            factors.append(layer.local_factors(-1))
+            continue
+        task = backward(loss)
+        assert layer.k_round == sum(x.numel() // x.shape[-1] for x in batches)
+        factors.append(layer.local_factors(task))
+        assert all(p.grad is None for p in layer.params), "autograd computed the local gradient"
     u_all = torch.cat([u for u, _ in factors])
     v_all = torch.cat([v for _, v in factors])
-    grad_w, grad_b = rebuild_gradients(u_all, v_all, world_size, spec)
+    grad_w, grad_b = rebuild_gradients(u_all, v_all, world_size, fc_spec(base))
     torch.testing.assert_close(grad_w, torch.stack(weight_grads).mean(0), rtol=RTOL, atol=ATOL)
-    if spec.bias is None:
-        assert grad_b is None
-    else:
+    if bias_grads[0] is not None:
         torch.testing.assert_close(grad_b, torch.stack(bias_grads).mean(0), rtol=RTOL, atol=ATOL)
 
 
@@ -114,17 +129,20 @@ def test_rebuild_matches_averaged_autograd(m, n, ks, positions, uses, bias, tran
 def test_chained_use_and_inplace_relu_after_the_layer():
     """A square layer applied twice in a row, followed by an in-place ReLU (VGG's classifier pattern)."""
     torch.manual_seed(0)
-    layer = nn.Linear(5, 5)
-    captures, grads = [], []
+    base = nn.Linear(5, 5)
+    factors, grads = [], []
     for rank in range(3):
-        replica = copy.deepcopy(layer)
-        capture = FactorCapture(replica, fc_spec(replica))
-        y = nn.ReLU(inplace=True)(replica(torch.relu(replica(torch.randn(4, 5)))))
-        (y * torch.randn(4, 5)).sum().backward()
-        captures.append(capture.local_factors())
-        grads.append(replica.weight.grad)
-    grad_w, _ = rebuild_gradients(torch.cat([u for u, _ in captures]), torch.cat([v for _, v in captures]),
-                                  3, fc_spec(layer))
+        x, weights = torch.randn(4, 5), torch.randn(4, 5)
+        plain = copy.deepcopy(base)
+        (nn.ReLU(inplace=True)(plain(torch.relu(plain(x)))) * weights).sum().backward()
+        grads.append(plain.weight.grad)
+        replica = copy.deepcopy(base)
+        layer = committed(replica)
+        loss = (nn.ReLU(inplace=True)(replica(torch.relu(replica(x)))) * weights).sum()
+        task = backward(loss)  # the factors live with the graph: read them while ``loss`` holds it
+        factors.append(layer.local_factors(task))
+    grad_w, _ = rebuild_gradients(torch.cat([u for u, _ in factors]), torch.cat([v for _, v in factors]),
+                                  3, fc_spec(base))
     torch.testing.assert_close(grad_w, torch.stack(grads).mean(0), rtol=RTOL, atol=ATOL)
 
 
@@ -145,100 +163,92 @@ def test_missing_bias_instance_has_no_bias_in_spec():
     assert fc_spec(nn.Linear(2, 3)).bias == "bias"
 
 
-def test_clear_releases_every_tensor():
-    layer = nn.Linear(4, 3)
-    capture = FactorCapture(layer, fc_spec(layer))
+def test_uses_live_exactly_as_long_as_their_graph():
+    """The factors of a call stay reachable while its graph may be backpropagated again (retain_graph)
+    and are released with it: the engine adds no memory beyond the graph's lifetime."""
+    module = nn.Linear(4, 3)
+    layer = committed(module)
     x = torch.randn(5, 4)
-    layer(x).pow(2).sum().backward()
-    u, v = capture.local_factors()
-    input_ref, grad_ref = StorageWeakRef(x.untyped_storage()), StorageWeakRef(u.untyped_storage())
-    del x, u, v
-    assert not input_ref.expired() and not grad_ref.expired()
-    capture.clear()
-    assert input_ref.expired() and grad_ref.expired()
-    assert capture.num_samples == 0
-    assert [f.shape for f in capture.local_factors()] == [(0, 3), (0, 4)]
+    out = module(x)
+    loss = out.pow(2).sum()
+    first = backward_retain(loss)
+    second = backward_retain(loss)
+    assert layer.local_factors(first)[0].shape == (0, 3), "U is recorded per pass; the first pass's is overwritten"
+    u, v = layer.local_factors(second)
+    assert u.shape == (5, 3) and torch.equal(v, x)
+    del out, loss, u, v
+    gc.collect()
+    assert all(ref() is None for ref in layer._uses)
 
 
-def test_no_capture_without_grad_or_with_frozen_weight_and_after_remove():
-    layer = nn.Linear(4, 3)
-    capture = FactorCapture(layer, fc_spec(layer))
+def backward_retain(loss: torch.Tensor) -> int:
+    task = []
+    loss.register_hook(lambda grad: task.append(torch._C._current_graph_task_id()))
+    loss.backward(retain_graph=True)
+    return task[0]
+
+
+def test_no_capture_without_grad_outside_synced_forwards_or_with_frozen_weight():
+    module = nn.Linear(4, 3)
+    outside = FCLayer("fc", module, fc_spec(module), in_forward=lambda: False, in_synced_forward=lambda: False)
+    outside.begin_round(True)
+    module(torch.randn(2, 4)).sum().backward()
+    assert outside.k_round == 0 and outside.witness is None and module.weight.grad is not None
+    outside.remove()
+    layer = committed(module)
     with torch.no_grad():
-        layer(torch.randn(2, 4))
-    layer.requires_grad_(False)
-    layer(torch.randn(2, 4, requires_grad=True)).sum().backward()
-    assert capture.num_samples == 0
-    layer.requires_grad_(True)
-    capture.remove()
-    layer(torch.randn(2, 4)).sum().backward()
-    assert capture.num_samples == 0
+        module(torch.randn(2, 4))
+    module.requires_grad_(False)
+    module(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert layer.k_round == 0 and layer.witness is None
 
 
 def test_calls_outside_the_loss_contribute_nothing():
     """A call whose output got no gradient (not in the loss) adds no factors; the others stay exact."""
-    layer = nn.Linear(4, 3)
-    capture = FactorCapture(layer, fc_spec(layer))
-    layer(torch.randn(2, 4))  # e.g. a logging forward, never backpropagated
+    module = nn.Linear(4, 3)
+    plain = copy.deepcopy(module)
+    layer = committed(module)
+    module(torch.randn(2, 4))  # e.g. a logging forward, never backpropagated
     x = torch.randn(5, 4)
-    layer(x).square().sum().backward()
-    u, v = capture.local_factors()
+    loss = module(x).square().sum()
+    task = backward(loss)
+    u, v = layer.local_factors(task)
     assert u.shape == (5, 3) and torch.equal(v, x)
-    grad_w, _ = rebuild_gradients(u, v, 1, fc_spec(layer))
-    torch.testing.assert_close(grad_w, layer.weight.grad, rtol=RTOL, atol=ATOL)
+    plain(x).square().sum().backward()
+    grad_w, _ = rebuild_gradients(u, v, 1, fc_spec(module))
+    torch.testing.assert_close(grad_w, plain.weight.grad, rtol=RTOL, atol=ATOL)
 
 
-# --- two ranks over gloo -------------------------------------------------------------------------
-
-RANK_SAMPLES = (3, 5)  # different K per rank: exercises the padding
-M, N = 6, 4
-
-
-def _two_rank_worker(rank: int, port: int, results) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=len(RANK_SAMPLES))
-        torch.manual_seed(0)
-        layer = nn.Linear(N, M)  # identical on both ranks
-        capture = run_rank(layer, [torch.randn(RANK_SAMPLES[rank], N) + rank], seed=rank)
-        u_all, v_all, sent = gather_factors(*capture.local_factors(), list(RANK_SAMPLES))
-        grad_w, grad_b = rebuild_gradients(u_all, v_all, dist.get_world_size(), fc_spec(layer))
-        for rebuilt, local in ((grad_w, layer.weight.grad), (grad_b, layer.bias.grad)):
-            dist.all_reduce(local)
-            torch.testing.assert_close(rebuilt, local / dist.get_world_size(), rtol=RTOL, atol=ATOL)
-        assert u_all.shape == (sum(RANK_SAMPLES), M) and v_all.shape == (sum(RANK_SAMPLES), N)
-        assert sent == sfb_bytes_per_rank(max(RANK_SAMPLES), M, N, 2) == 5 * (M + N) * 4
-        link = probe_link(sizes=(1 << 10, 1 << 14), repeats=1)
-        assert link.alpha_s >= 0 and link.beta_s_per_byte >= 0
-        results.put((rank, None, (link, probe_gemm_flops())))
-        dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, traceback.format_exc(), None))
+def test_create_graph_through_a_committed_call_raises_and_marks_the_layer():
+    module = nn.Linear(4, 3)
+    layer = committed(module)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="create_graph=True.*'fc'"):
+        torch.autograd.grad(module(x).sum(), x, create_graph=True)
+    assert layer.sticky & CREATE_GRAPH
+    other = nn.Linear(4, 3)
+    watched = committed(other, commit=False)
+    torch.autograd.grad(other(x).sum(), x, create_graph=True)  # not detached: exact, but never commit
+    assert watched.sticky & CREATE_GRAPH
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def test_copies_of_the_module_get_inert_hooks():
+    module = nn.Linear(4, 3)
+    layer = committed(module)
+    for copied in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        hooks = list(copied._forward_pre_hooks.values()) + list(copied._forward_hooks.values())
+        assert hooks and all(hook is inert_hook for hook in hooks)
+        copied(torch.randn(2, 4)).sum().backward()  # a plain module: its own dW
+        assert copied.weight.grad is not None
+    assert isinstance(module._forward_pre_hooks[next(iter(module._forward_pre_hooks))], EngineHook)
+    layer.remove()
+    assert not module._forward_pre_hooks and not module._forward_hooks
 
 
-def test_two_rank_gloo_gather_rebuild_and_agreed_probes():
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    workers = [context.Process(target=_two_rank_worker, args=(rank, port, results))
-               for rank in range(len(RANK_SAMPLES))]
-    for worker in workers:
-        worker.start()
-    try:
-        reports = [results.get(timeout=120) for _ in workers]
-    except queue.Empty:
-        pytest.fail("two-rank gloo test timed out")
-    finally:
-        for worker in workers:
-            worker.join(timeout=10)
-            if worker.is_alive():
-                worker.kill()
-    failures = [f"rank {rank}:\n{error}" for rank, error, _ in reports if error]
-    assert not failures, "\n".join(failures)
-    models = {model for _, _, model in reports}
-    assert len(models) == 1, f"ranks measured different link / GEMM models: {models}"
+# --- the wire format, over two gloo ranks ---------------------------------------------------------------
+
+def test_factor_exchange_pads_strips_and_reports_headers(cluster):
+    for r in cluster.run(workers.exchange_factors_roundtrip):
+        assert r["headers"] == r["expected_headers"]
+        assert torch.equal(r["u"], r["expected_u"]) and torch.equal(r["v"], r["expected_v"])
+        assert r["bytes"] == (cluster.world_size - 1) * r["block_bytes"]

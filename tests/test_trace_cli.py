@@ -3,9 +3,9 @@
 Per rank and iteration (ns from the iteration start ``B``; rank 1 differs only in fc2's network span):
 
     compute  forward model [0, 100k]   backward fc2 [100k, 200k]   backward fc1 [200k, 300k]
-    channel-0  sync fc2 (SFB, 4096 B) [200k, 370k]: queue [200k, 210k], d2h [210k, 250k],
-               network [250k, 350k] (rank 1: [200k, 300k]), h2d [350k, 370k]
-    channel-1  sync fc1 (PS, 1 MB) [300k, 420k]: d2h [300k, 320k], network [320k, 400k], h2d [400k, 420k]
+    channel-0  sync fc2 (SFB, 4096 B) [200k, 370k]: queue [200k, 210k], gather [210k, 250k],
+               network [250k, 350k] (rank 1: [200k, 300k]), scatter [350k, 370k]
+    channel-1  sync fc1 (PS, 1 MB) [300k, 420k]: gather [300k, 320k], network [320k, 400k], scatter [400k, 420k]
     iteration  [0, 450k / 460k / 500k] for iterations 0 / 1 / 2
 
 Hand-computed (compute = [0, 300k]):
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from poseidon_torch.spans import Span
+from poseidon_torch.trace.spans import Span
 from poseidon_torch.trace import main
-from poseidon_torch.tracefile import (
+from poseidon_torch.trace.files import (
     TraceFormatError,
     load_spans,
     merge_traces,
@@ -57,14 +57,14 @@ def rank_spans(rank: int) -> list[Span]:
         add("backward", "fc1", "compute", 200 * K, 300 * K)
         add("sync", "fc2", "channel-0", 200 * K, 370 * K, path="SFB", bytes=4096)
         add("queue", "fc2", "channel-0", 200 * K, 210 * K)
-        add("d2h", "fc2", "stream-0", 210 * K, 250 * K)
+        add("gather", "fc2", "stream-0", 210 * K, 250 * K)
         fc2_net = (250 * K, 350 * K) if rank == 0 else (200 * K, 300 * K)
         add("network", "fc2", "channel-0", *fc2_net, path="SFB")
-        add("h2d", "fc2", "stream-0", 350 * K, 370 * K)
+        add("scatter", "fc2", "stream-0", 350 * K, 370 * K)
         add("sync", "fc1", "channel-1", 300 * K, 420 * K, path="PS", bytes=1_000_000)
-        add("d2h", "fc1", "stream-1", 300 * K, 320 * K)
+        add("gather", "fc1", "stream-1", 300 * K, 320 * K)
         add("network", "fc1", "channel-1", 320 * K, 400 * K, path="PS")
-        add("h2d", "fc1", "stream-1", 400 * K, 420 * K)
+        add("scatter", "fc1", "stream-1", 400 * K, 420 * K)
     return spans
 
 
@@ -165,7 +165,7 @@ def test_lane_falls_back_to_thread_name_metadata(tmp_path):
 
 def test_reversed_span_is_not_written(tmp_path):
     with pytest.raises(ValueError, match="ends before it starts"):
-        write_rank_trace(tmp_path / "t.json", [Span("d2h", "fc", "stream-0", 5, 4, 0)], 0, 1, {})
+        write_rank_trace(tmp_path / "t.json", [Span("gather", "fc", "stream-0", 5, 4, 0)], 0, 1, {})
 
 
 def test_summary_json_matches_hand_computed_values(merged, capsys):

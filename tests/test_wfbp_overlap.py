@@ -12,7 +12,7 @@ def test_last_layer_sync_starts_before_first_layer_backward_ends(cluster, tmp_pa
     results = cluster.run(workers.sync_timing, str(tmp_path))
     for rank, r in enumerate(results):
         last_layer = r["syncers"][0]
-        assert last_layer.startswith("6"), f"syncer order should start at the output layer: {r['syncers']}"
+        assert last_layer.startswith("6"), f"bucket order should start at the output layer: {r['syncers']}"
         network = [s for s in r["spans"] if s.kind == "network" and s.name == last_layer]
         assert len(network) == 1
         lead_ms = (r["first_ready_ns"] - network[0].start_ns) / 1e6
@@ -22,7 +22,8 @@ def test_last_layer_sync_starts_before_first_layer_backward_ends(cluster, tmp_pa
 
 
 def test_real_trace_covers_every_layer_and_rank_and_summary_agrees(cluster, tmp_path):
-    from poseidon_torch import trace, tracefile
+    from poseidon_torch import trace
+    from poseidon_torch.trace import files as tracefile
 
     iters = 3
     results = cluster.run(workers.traced_training, str(tmp_path), iters)

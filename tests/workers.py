@@ -60,7 +60,7 @@ def train(rank: int, world_size: int, spec: ModelSpec, wrapper: str, steps: int,
         opt.step()
         if wrapper == "poseidon":
             sent.append(dict(wrapped.comm_stats.bytes_by_path))
-            paths.append(wrapped.plan.paths_by_layer() if wrapped.plan else {})
+            paths.append(dict(wrapped.comm_stats.outcome_by_bucket))
     if wrapper == "poseidon":
         wrapped.close()
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "sent": sent,
@@ -110,7 +110,7 @@ def sync_timing(rank: int, world_size: int, trace_dir: str) -> dict:
     for _ in range(2):
         x = torch.randn(8, 3, 48, 48)
         wrapped(x).square().mean().backward()
-    names = [s.name for s in wrapped.syncers]
+    names = wrapped.bucket_names
     spans = list(wrapped.recorder.spans)
     offset = wrapped.recorder.clock_offset_ns
     wrapped.close()
@@ -129,23 +129,28 @@ def mismatched_models(rank: int, world_size: int) -> str:
     return "no error"
 
 
+class FailingPath:
+    """A path that fails for one bucket and otherwise does what the path it replaces does."""
+
+    def __init__(self, inner, bucket: str) -> None:
+        self.inner, self.bucket, self.name = inner, bucket, inner.name
+
+    def sync(self, bucket, groups, ctx):
+        if bucket.name == self.bucket:
+            raise RuntimeError("injected failure")
+        return (yield from self.inner.sync(bucket, groups, ctx))
+
+
 def failing_sync_job(rank: int, world_size: int, layer: str, path: str) -> dict:
     """Rank 0's sync job for ``layer`` on ``path`` raises; both ranks must see an error ending the step."""
     spec = ModelSpec(widths=(8, 8))
     options = {"hybrid": False} if path == "PS" else {"overrides": {layer: "SFB"}}
     wrapped = PoseidonDDP(build(spec, seed=0), timeout=5, fusion_bytes=0, **options)
-    engine = wrapped._engine
+    x, y = batch(spec, 0, 2, 1)
+    if path == "SFB":  # the first step always syncs through PS; SFB runs from the second
+        F.mse_loss(wrapped(x), y).backward()
     if rank == 0:
-        index = next(s.index for s in wrapped.syncers if s.name == layer)
-        owner, attr = (engine, "_average") if path == "PS" else (engine.fc_layers[index], "exchange")
-        original = getattr(owner, attr)
-
-        def broken(*args):
-            if path == "SFB" or args[0].name == layer:
-                raise RuntimeError("injected failure")
-            return original(*args)
-
-        setattr(owner, attr, broken)
+        wrapped.engine.paths[path] = FailingPath(wrapped.engine.paths[path], layer)
     return _time_failing_step(wrapped, spec)
 
 
@@ -181,33 +186,44 @@ def _time_failing_step(wrapped: PoseidonDDP, spec: ModelSpec) -> dict:
 
 
 def bytes_per_iteration(rank: int, world_size: int, chunk_bytes: int) -> dict:
+    """Two steps on the PS path; the second step's bytes (after the buckets were learned) and the
+    flat buffer size of every bucket, from the parameters."""
     spec = ModelSpec(conv_channels=(4,), widths=(64, 32), image=6, batchnorm=True)
-    wrapped = PoseidonDDP(build(spec, seed=0), timeout=60, chunk_bytes=chunk_bytes, hybrid=False)
-    x, y = batch(spec, 0, 2, world_size)
-    F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
-    engine = wrapped._engine
-    formula = sum(engine._store.bytes_formula(s.index) for s in wrapped.syncers)
-    numels = [s.numel for s in wrapped.syncers]
-    sent = wrapped.comm_stats.bytes_sent_last_iteration
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, chunk_bytes=chunk_bytes, hybrid=False)
+    for step in range(2):
+        x, y = batch(spec, step, 2, world_size)
+        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+    stats = wrapped.comm_stats
+    names = dict(model.named_parameters())
+    flat = [sum(names[p].numel() + 1 for p in _bucket_params(name, names)) + 1 for name in wrapped.bucket_names]
+    out = {"ps": stats.bytes_by_path["PS"], "facts": stats.bytes_by_path["facts"], "flat_elems": flat,
+           "buckets": len(wrapped.bucket_names)}
     wrapped.close()
-    return {"sent": sent, "formula": formula, "numels": numels}
+    return out
+
+
+def _bucket_params(bucket: str, names: dict) -> list[str]:
+    """The parameter names of a bucket named "layer+layer+...": each layer's own parameters."""
+    layers = bucket.split("+")
+    return [n for n in names if n.rsplit(".", 1)[0] in layers]
 
 
 def sfb_bytes(rank: int, world_size: int, sizes: tuple[int, ...]) -> dict:
-    """One iteration with every FC layer forced to SFB; rank r trains on sizes[r] samples."""
-    from poseidon_torch.sfb import sfb_bytes_per_rank
-
+    """Two steps with every FC layer forced to SFB (the second runs on SFB); rank r trains on
+    sizes[r] samples."""
     spec = ModelSpec(in_features=20, widths=(30,), out_features=5)
     model = build(spec, seed=0)
     wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, {"force": "SFB"}))
-    x, y = batch(spec, 0, max(sizes), world_size)
-    F.mse_loss(wrapped(x[:sizes[rank]]), y[:sizes[rank]]).backward()
-    k = max(sizes)
-    formula = sfb_bytes_per_rank(k, 30, 20, world_size) + sfb_bytes_per_rank(k, 5, 30, world_size)
+    for step in range(2):
+        x, y = batch(spec, step, max(sizes), world_size)
+        model.zero_grad()
+        F.mse_loss(wrapped(x[:sizes[rank]]), y[:sizes[rank]]).backward()
     stats = wrapped.comm_stats
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    out = {"by_path": dict(stats.bytes_by_path), "outcomes": dict(stats.outcome_by_bucket), "grads": grads}
     wrapped.close()
-    return {"by_path": dict(stats.bytes_by_path), "formula": formula, "grads": grads}
+    return out
 
 
 def plan_printout(rank: int, world_size: int, link) -> tuple[str, str]:
@@ -215,8 +231,8 @@ def plan_printout(rank: int, world_size: int, link) -> tuple[str, str]:
     spec = ModelSpec(conv_channels=(4,), widths=(64,), image=6)
     model = build(spec, seed=0)
     wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, link=link)
-    x, _ = batch(spec, 0, 2, world_size)
-    wrapped(x)
+    x, y = batch(spec, 0, 2, world_size)
+    F.mse_loss(wrapped(x), y[:, :3]).backward()
     text = str(wrapped.plan)
     wrapped.close()
     try:
@@ -236,7 +252,7 @@ def replan_on_new_k(rank: int, world_size: int, link, sizes: tuple[int, ...]) ->
     for step, size in enumerate(sizes):
         x, y = batch(spec, step, size, world_size)
         F.mse_loss(wrapped(shard(x, rank, size)), shard(y, rank, size)).backward()
-        plans.append({p.layer.name: (p.layer.k, p.path) for p in wrapped.plan.layers})
+        plans.append({row.name: (row.k, row.path) for row in wrapped.plan.rows})
     wrapped.close()
     return plans
 
@@ -251,8 +267,8 @@ def traced_training(rank: int, world_size: int, trace_dir: str, iters: int) -> d
     for step in range(1 + iters):
         x, y = batch(spec, step, 2, world_size)
         F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
-        sent.append(dict(wrapped.comm_stats.bytes_by_syncer))
-    names = [s.name for s in wrapped.syncers]
+        sent.append(dict(wrapped.comm_stats.bytes_by_bucket))
+    names = wrapped.bucket_names
     wrapped.close()
     return {"syncers": names, "bytes_by_syncer": sent[1:]}
 
@@ -297,7 +313,7 @@ def profiled_step(rank: int, world_size: int) -> dict:
     x, y = batch(ModelSpec(in_features=32, widths=(32,), out_features=4), 0, 4, world_size)
     with torch.profiler.profile(experimental_config=config) as prof:
         F.mse_loss(wrapped(x), y[:, :4]).backward()
-    paths = wrapped.plan.paths_by_layer() if wrapped.plan else {s.name: "PS" for s in wrapped.syncers}
+    paths = wrapped.comm_stats.outcome_by_bucket
     wrapped.close()
     return {"events": sorted({e.name for e in prof.events() if e.name.startswith("poseidon.")}),
             "expected": sorted(f"poseidon.sync.{path}.{name}" for name, path in paths.items())}
@@ -320,24 +336,96 @@ def state_dict_roundtrip(rank: int, world_size: int) -> dict:
 
 
 def commit_and_switch(rank: int, world_size: int, link, sizes: tuple[int, ...]) -> list[dict]:
-    """Per step: the plan of body.0, whether autograd computed its local weight gradient, and the
-    largest difference of every .grad from torch DDP's on the same data."""
+    """Per step: how body.0 synced, whether its weight was in the autograd graph (autograd computes the
+    local weight gradient only then), and the largest difference of every .grad from torch DDP's."""
     spec = ModelSpec(in_features=64, widths=(64,), out_features=4)
     ours_model, ddp_model = build(spec, seed=0), build(spec, seed=0)
     ours = PoseidonDDP(ours_model, timeout=60, fusion_bytes=0, link=link)
     theirs = DDP(ddp_model)
-    local_dw: list[bool] = []
-    ours_model.body[0].weight.register_hook(lambda grad: local_dw.append(True))
     steps = []
     for step, size in enumerate(sizes):
         x, y = batch(spec, step, size, world_size)
-        local_dw.clear()
+        weight_in_graph = None
         for model, wrapped in ((ours_model, ours), (ddp_model, theirs)):
             model.zero_grad()
-            F.mse_loss(wrapped(shard(x, rank, size)), shard(y, rank, size)).backward()
+            out = wrapped(shard(x, rank, size))
+            if wrapped is ours:
+                weight_in_graph = reaches(out.grad_fn, ours_model.body[0].weight)
+            F.mse_loss(out, shard(y, rank, size)).backward()
         worst = max((a.grad - b.grad).abs().max().item()
                     for a, b in zip(ours_model.parameters(), ddp_model.parameters()))
-        steps.append({"plan": ours.plan.paths_by_layer()["body.0"], "local_dw": bool(local_dw),
+        steps.append({"outcome": ours.comm_stats.outcome_by_bucket["body.0"], "weight_in_graph": weight_in_graph,
                       "max_grad_diff": worst})
     ours.close()
     return steps
+
+
+def reaches(node, param: torch.Tensor) -> bool:
+    """Whether ``param``'s gradient accumulator is reachable from autograd node ``node``."""
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "variable", None) is param:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+def loopback_bytes(rank: int, world_size: int, force: str) -> dict:
+    """Bytes the loopback device transmitted during one synced step (all ranks) and this rank's
+    count of what it handed to its backends in that step."""
+    import torch.distributed as dist
+
+    spec = ModelSpec(in_features=256, widths=(256, 256), out_features=8)
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, {"force": force}))
+    for step in range(3):  # the buckets are learned after the first step, SFB runs from the second
+        x, y = batch(spec, step, 4, world_size)
+        if step == 2:
+            dist.barrier()
+            before = _tx_bytes("lo")
+            dist.barrier()
+        F.mse_loss(wrapped(shard(x, rank, 4)), shard(y, rank, 4)).backward()
+    dist.barrier()
+    after = _tx_bytes("lo")
+    counted = wrapped.comm_stats.bytes_sent_last_iteration
+    outcomes = dict(wrapped.comm_stats.outcome_by_bucket)
+    wrapped.close()
+    return {"counted": counted, "loopback": after - before, "outcomes": outcomes}
+
+
+def _tx_bytes(iface: str) -> int:
+    with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def exchange_factors_roundtrip(rank: int, world_size: int) -> dict:
+    """Every rank sends rank + 1 rows of known factors, padded to 2 rows (rank >= 2 overflows):
+    what comes back, against what every rank sent."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from poseidon_torch.pools import Groups
+    from poseidon_torch.sfb import exchange_factors
+
+    groups = Groups.create(dist.group.WORLD, "gloo", 1, timedelta(seconds=30))
+    m, n, pad = 3, 2, 2
+
+    def factors(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = r + 1
+        u = torch.arange(rows * m, dtype=torch.float32).view(rows, m) + 100 * r
+        return u, -torch.arange(rows * n, dtype=torch.float32).view(rows, n) - 100 * r
+
+    u, v = factors(rank)
+    header = {"rows": u.shape[0], "exact": 1, "aborted": 0}
+    got = exchange_factors(header, u, v, pad, groups.channels[0], torch.device("cpu"))
+    sent = [factors(r) for r in range(world_size)]
+    return {"headers": got.headers,
+            "expected_headers": [{"rows": r + 1, "exact": 1, "aborted": 0} for r in range(world_size)],
+            "u": got.u, "v": got.v,
+            "expected_u": torch.cat([s[0][:pad] for s in sent]), "expected_v": torch.cat([s[1][:pad] for s in sent]),
+            "bytes": got.bytes_sent, "block_bytes": -(-(24 + pad * (m + n) * 4) // 8) * 8}

@@ -17,8 +17,8 @@ to torch DDP; bytes on the wire per iteration per host and where that number com
 host veth's tx_bytes, netns mode; ``comm_stats``: PoseidonDDP's own count; ``analytic``: ring all-reduce
 2(P-1)/P x parameter bytes for DDP; localhost mode); the lower bound
 ``max(compute-only iteration, minimal bytes / bandwidth)`` and the iteration time divided by it; the
-fraction of communication hidden under compute from the PoseidonDDP trace summary, when
-``poseidon_torch/trace.py`` exists and the engine wrote a trace (``-`` otherwise).
+fraction of communication hidden under compute from the PoseidonDDP trace summary (``-`` when the
+run wrote no trace).
 
 Minimal bytes per host per iteration, for P hosts: every parameter tensor synced by a bandwidth-optimal
 all-reduce (2(P-1)/P of its bytes), except that a Linear layer that ran with K rows in the forward pass
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -62,7 +61,6 @@ from poseidon_torch.bench.worker import MODES, POSEIDON_MODES
 from poseidon_torch.bench.workloads import WORKLOADS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TRACE_TOOL = Path(__file__).resolve().parents[1] / "trace.py"
 STARTUP_GRACE_S = 60.0
 STOP_GRACE_S = 3.0
 
@@ -239,18 +237,13 @@ def worker_argv(args: argparse.Namespace, mode: str, workload: str, result: Path
 
 
 def overlap_from_trace(trace_dir: Path | None) -> float | None:
-    """``overlap_ratio`` of ``poseidon_torch.trace summary --json`` on the run's trace (merged one first)."""
-    traces = sorted(trace_dir.glob("*.json"), key=lambda p: ("merged" not in p.name, p.name)) if trace_dir else []
-    if not traces:
-        return None
-    captured = io.StringIO()
-    try:  # another team's tool: whatever goes wrong in it costs this column, never the benchmark
-        from poseidon_torch.trace import main as trace_main
+    """The overlap ratio of the run's trace (merged one first); None without a readable trace."""
+    from poseidon_torch.trace import TraceFormatError, load_spans, summarize
 
-        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(io.StringIO()):
-            status = trace_main(["summary", str(traces[0]), "--json"])
-        return json.loads(captured.getvalue()).get("overlap_ratio") if status == 0 else None
-    except (Exception, SystemExit):
+    traces = sorted(trace_dir.glob("*.json"), key=lambda p: ("merged" not in p.name, p.name)) if trace_dir else []
+    try:
+        return summarize(load_spans(traces[0]))["overlap_ratio"] if traces else None
+    except (OSError, TraceFormatError):
         return None
 
 
@@ -261,7 +254,7 @@ def run_mode(args: argparse.Namespace, placement: Placement, workload: str, mode
     world, threads = args.hosts, threads_per_rank(args.hosts)
     result = args.out / "runs" / f"{name}.json"
     result.unlink(missing_ok=True)
-    trace_dir = fresh_dir(args.out / "traces" / name) if mode in POSEIDON_MODES and TRACE_TOOL.is_file() else None
+    trace_dir = fresh_dir(args.out / "traces" / name) if mode in POSEIDON_MODES else None
     wire_iface = placement.wire_iface if synced else None
     argv = worker_argv(args, mode, workload, result, threads, wire_iface, trace_dir)
     port = free_port()

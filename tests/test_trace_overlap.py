@@ -1,4 +1,4 @@
-"""Interval math of poseidon_torch.overlap against a brute-force reference on a small integer grid.
+"""Interval math of poseidon_torch.trace.overlap against a brute-force reference on a small integer grid.
 
 The reference marks unit cells ``[k, k + 1)`` covered by any interval; on integer grids the covered
 time is exactly the number of marked cells.
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poseidon_torch.overlap import intersection_length, overlap_ratio, total_length, union
+from poseidon_torch.trace.overlap import intersection_length, overlap_ratio, total_length, union
 
 GRID = 40
 

@@ -4,20 +4,20 @@ Invariants:
 - ``start_ns <= end_ns``, both from ``time.monotonic_ns()`` of the recording process, already shifted by
   that rank's clock offset to rank 0 when written to a trace file.
 - ``kind`` is one of :data:`SPAN_KINDS`; ``lane`` names the row the span is drawn on
-  (``"compute"`` for the training thread, ``"channel-<i>"`` for a sync pool thread, ``"stream-<i>"``
-  for a CUDA copy stream).
+  (``"compute"`` for the training thread, ``"channel-<i>"`` for a sync pool thread).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-#: forward: the wrapped module's forward; backward: one layer's share of the backward pass;
+#: forward: the wrapped module's forward; backward: one bucket's share of the backward pass;
 #: iteration: forward start to the end of the BSP barrier; queue: a sync job waiting for its channel;
-#: d2h / h2d: device copies of a sync job; network: bytes on the wire for a sync job;
-#: rebuild: SFB's gradient rebuild (a GEMM on the sync thread, after its network part);
-#: sync: a whole sync job (args carry ``path`` and ``bytes``).
-SPAN_KINDS = ("forward", "backward", "iteration", "queue", "d2h", "h2d", "network", "rebuild", "sync")
+#: the phases of a sync job, as its path yields them: gather (gradients or factors into the send
+#: buffer, device-to-host on the staged GPU path), network (bytes on the wire), rebuild (SFB's GEMM),
+#: scatter (averages back into ``.grad``); sync: a whole sync job (args carry ``path`` and ``bytes``).
+SPAN_KINDS = ("forward", "backward", "iteration", "queue", "gather", "network", "rebuild", "scatter", "sync")
+PHASE_KINDS = ("gather", "network", "rebuild", "scatter")
 COMPUTE_KINDS = ("forward", "backward")
 COMM_KINDS = ("network",)
 

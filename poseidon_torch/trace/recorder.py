@@ -4,7 +4,10 @@ Switched on by ``PoseidonDDP(trace_dir=...)`` or the environment (``POSEIDON_TRA
 ``POSEIDON_TRACE_SKIP`` and ``POSEIDON_TRACE_ITERS``). It skips the first ``skip`` iterations, records the
 next ``iters``, then writes one Chrome trace per rank and, on rank 0, a merged trace of all ranks.
 Invariants:
-- when tracing is off, ``active`` is always False and the engine records nothing (one attribute read);
+- when tracing is off, ``active`` is always False and the engine records nothing (one attribute read
+  per sync job: no timestamps, strings or span objects are made);
+- a sync job is observed from outside: :meth:`Recorder.run_job` drives the path's phases and stamps
+  the boundaries the path yields; the data path itself never sees the tracer;
 - all spans of a rank come from ``time.monotonic_ns()`` and are shifted by the rank's clock offset to
   rank 0, measured once at start-up, when written;
 - writing happens once, when the window closes: the spans are gathered to every rank (collective over
@@ -13,14 +16,14 @@ Invariants:
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
+from ..env import from_env, option
+from . import files
 from .spans import Span
 
 
@@ -33,18 +36,21 @@ class TraceConfig:
     @classmethod
     def resolve(cls, directory: str | None, skip: int | None, iters: int | None) -> "TraceConfig | None":
         """Options win over the environment; no directory from either means tracing is off."""
-        directory = directory or os.environ.get("POSEIDON_TRACE_DIR")
+        directory = directory or from_env("TRACE_DIR", str)
         if not directory:
             return None
-        skip = skip if skip is not None else int(os.environ.get("POSEIDON_TRACE_SKIP", cls.skip))
-        iters = iters if iters is not None else int(os.environ.get("POSEIDON_TRACE_ITERS", cls.iters))
+        skip = option(skip, "TRACE_SKIP", int, cls.skip)
+        iters = option(iters, "TRACE_ITERS", int, cls.iters)
         if skip < 0 or iters < 1:
             raise ValueError(f"trace window needs skip >= 0 and iters >= 1, got skip={skip}, iters={iters}")
         return cls(directory, skip, iters)
 
 
 class Recorder:
-    def __init__(self, config: TraceConfig | None, rank: int, world_size: int, control_group) -> None:
+    """Spans of one rank; ``gather(obj)`` returns every rank's ``obj`` (a collective)."""
+
+    def __init__(self, config: TraceConfig | None, rank: int, world_size: int,
+                 gather: Callable[[object], list]) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.spans: list[Span] = []
@@ -52,16 +58,15 @@ class Recorder:
         self.written: list[Path] = []  #: the files, once the writer thread has written them
         self._closed = False  # the window is over (set on the training thread)
         self._writer: threading.Thread | None = None
-        self._group = control_group
+        self._gather = gather
         self._iteration = -1
         self._iteration_start = 0
         self.clock_offset_ns = self._measure_clock_offset() if config else 0
 
     def _measure_clock_offset(self) -> int:
         """Offset of this rank's monotonic clock to rank 0's, taken right after a barrier."""
-        dist.barrier(group=self._group)
-        stamps: list[int] = [0] * self.world_size
-        dist.all_gather_object(stamps, time.monotonic_ns(), group=self._group)
+        self._gather(None)
+        stamps = self._gather(time.monotonic_ns())
         return stamps[self.rank] - stamps[0]
 
     def start_iteration(self) -> None:
@@ -76,6 +81,27 @@ class Recorder:
         self.spans.append(Span(kind, name, lane, start_ns - self.clock_offset_ns,
                                end_ns - self.clock_offset_ns, self._iteration, args))
 
+    def run_job(self, phases: Generator[str, None, object], name: str, lane: str, ready_ns: int, path: str,
+                bytes_sent: Callable[[], int]) -> object:
+        """Drive a sync job's phases to the end, recording its queue wait, each phase the path yields
+        (a phase lasts until the next one begins) and the whole job; returns the job's result."""
+        start = time.monotonic_ns()
+        self.add("queue", name, lane, ready_ns, start)
+        kind, since = None, start
+        while True:
+            try:
+                following = next(phases)
+            except StopIteration as stop:
+                end = time.monotonic_ns()
+                if kind is not None:
+                    self.add(kind, name, lane, since, end, path=path)
+                self.add("sync", name, lane, start, end, path=path, bytes=bytes_sent())
+                return stop.value
+            now = time.monotonic_ns()
+            if kind is not None:
+                self.add(kind, name, lane, since, now, path=path)
+            kind, since = following, now
+
     def end_iteration(self) -> None:
         if not self.active:
             return
@@ -86,23 +112,20 @@ class Recorder:
 
     def _write(self) -> None:
         self._closed = True
-        gathered: list[list[Span]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, self.spans, group=self._group)
+        gathered: list[list[Span]] = self._gather(self.spans)
         self._writer = threading.Thread(target=self._write_files, args=(gathered,), name="poseidon-trace-writer")
         self._writer.start()
 
     def _write_files(self, gathered: list[list[Span]]) -> None:
-        from . import tracefile
-
         out = Path(self.config.directory)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"skip": self.config.skip, "iters": self.config.iters}
         own = out / f"trace_rank{self.rank}.json"
-        tracefile.write_rank_trace(own, self.spans, self.rank, self.world_size, meta)
+        files.write_rank_trace(own, self.spans, self.rank, self.world_size, meta)
         self.written.append(own)
         if self.rank == 0:
             merged = out / "trace_merged.json"
-            tracefile.write_merged_trace(merged, gathered, self.world_size, meta)
+            files.write_merged_trace(merged, gathered, self.world_size, meta)
             self.written.append(merged)
 
     def flush(self, timeout: float = 120.0) -> None:

@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from poseidon_torch.spans import SPAN_KINDS, Span
+from .spans import SPAN_KINDS, Span
 
 TRACE_VERSION = 1
 COMPUTE_LANE = "compute"

@@ -1,0 +1,266 @@
+"""Buckets: the unit of wait-free backprop. One bucket is one sync job of one or more layers.
+
+A *layer* is a module that directly owns trainable parameters (split by dtype and device, so a bucket
+never mixes them). Before the first backward, layers are grouped in reverse registration order, small
+neighbours fused; after it, buckets are rebuilt once from the order in which gradients actually became
+ready (rank 0's order, the same on every rank), merging by MG-WFBP's rule: a bucket joins its
+neighbour when the link would still be busy when the neighbour is ready (merging delays nothing), or
+when its transfer time is below the per-job latency; ``fusion_bytes`` caps a bucket. Layers that may
+take the SFB path stay buckets of their own.
+
+A :class:`Bucket` owns its parameters, its flat buffer, its used flags, its per-pass readiness and its
+CUDA events. Invariants:
+- every trainable parameter belongs to exactly one bucket (a parameter shared by several modules goes
+  to the first module that registers it); a bucket's parameters share one dtype and device;
+- the flat buffer holds the gradients back to back, then one *used flag* per parameter, then one
+  *aborted* flag. Every rank sends its whole ``.grad`` (zeros where None), as torch DDP does for
+  parameters a rank did not use; after averaging, a flag > 0 means some rank used the parameter and
+  only those get the average written back (a parameter no rank used keeps ``.grad`` untouched); an
+  aborted flag > 0 means some rank's backward was aborted and nothing is written back;
+- ``dirty`` marks parameters whose ``.grad`` holds local, unsynced gradient (accumulated under
+  ``no_sync`` or in an aborted pass): they count as used at the next synced backward, however long
+  the no_sync session lasted.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+USED = 1.0
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    module: nn.Module
+    params: tuple[tuple[str, nn.Parameter], ...]  # (qualified name, parameter)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p in self.params)
+
+    @property
+    def kind(self) -> tuple[torch.dtype, torch.device]:
+        p = self.params[0][1]
+        return p.dtype, p.device
+
+
+class Bucket:
+    """The parameters of one sync job, their flat buffer and their readiness in the current pass."""
+
+    def __init__(self, index: int, layers: Sequence[Layer], pin_memory: bool = False) -> None:
+        self.index = index
+        self.layers = list(layers)
+        self.params = [p for layer in self.layers for _, p in layer.params]
+        self.param_names = [n for layer in self.layers for n, _ in layer.params]
+        self.offsets, offset = [], 0
+        for p in self.params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.grad_numel = offset
+        device = torch.device("cpu") if pin_memory else self.device
+        self.flat = torch.zeros(self.grad_numel + len(self.params) + 1, dtype=self.dtype, device=device,
+                                pin_memory=pin_memory)
+        self.position = {id(p): j for j, p in enumerate(self.params)}
+        self.fc = None  #: the FC layer (sfb.FCLayer) when this bucket may take the SFB path
+        self.dirty = [False] * len(self.params)
+        self.used_anywhere = [False] * len(self.params)  #: after the last sync: some rank used it
+        self.seen = [False] * len(self.params)
+        self.pending: set[Hashable] = set()
+        self.submitted = False
+        self.late = False  #: a gradient arrived after the bucket was submitted in this pass
+        self.bytes_sent = 0  #: by this rank in the bucket's last sync
+        self.sync_seconds = 0.0  #: how long the bucket's last sync job took
+        self.outcome = ""  #: how its last sync went: "PS", "SFB", or "SFB->PS" (exactness fallback)
+        self.ready_event = self.done_event = None
+        if self.device.type == "cuda":
+            self.ready_event, self.done_event = torch.cuda.Event(), torch.cuda.Event()
+
+    @property
+    def name(self) -> str:
+        return "+".join(layer.name for layer in self.layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the flat buffer (gradients and flags), what the PS path moves."""
+        return self.flat.numel() * self.flat.element_size()
+
+    # ---- readiness within one pass (the engine holds its lock around these) ----------------------
+
+    def begin_pass(self, pending: set[Hashable]) -> None:
+        self.pending = set(pending)
+        self.seen = [False] * len(self.params)
+        self.submitted = self.late = False
+
+    def arrive(self, key: Hashable) -> bool:
+        """A readiness event (a parameter index, or an FC layer's "factors"); True when the bucket
+        just became ready. A gradient that arrives after the bucket was submitted marks it late."""
+        if isinstance(key, int):
+            self.seen[key] = True
+        if self.submitted:
+            self.late = self.late or isinstance(key, int)
+            return False
+        if key not in self.pending:
+            return False
+        self.pending.discard(key)
+        return not self.pending
+
+    def used(self, j: int) -> bool:
+        return self.seen[j] or self.dirty[j]
+
+    # ---- the flat buffer ------------------------------------------------------------------------
+
+    def views(self, flat: torch.Tensor | None = None) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        flat = self.flat if flat is None else flat
+        for p, offset in zip(self.params, self.offsets):
+            yield p, flat[offset:offset + p.numel()].view(p.shape)
+
+    def gather(self, aborted: bool, shadow: bool = False) -> None:
+        """Copy this rank's ``.grad`` (zeros where None), the used flags and the aborted flag into the
+        flat buffer; a ``shadow`` (joined) rank contributes zeros and no flags."""
+        if shadow:
+            self.flat.zero_()
+            return
+        for p, piece in self.views():
+            if p.grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(p.grad, non_blocking=True)
+        flags = [USED if self.used(j) else 0.0 for j in range(len(self.params))] + [USED if aborted else 0.0]
+        self.flat[self.grad_numel:].copy_(torch.tensor(flags, dtype=self.dtype), non_blocking=True)
+        if self.flat.device != self.device:  # staged through host memory: gloo reads it next
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def scatter(self, flat: torch.Tensor | None = None) -> bool:
+        """Write the averages back into ``.grad`` of every parameter some rank used; returns False
+        (and writes nothing, keeping local gradients as unsynced) when some rank aborted."""
+        flat = self.flat if flat is None else flat
+        flags = (flat[self.grad_numel:] > 0).tolist()
+        self.used_anywhere = flags[:-1]
+        if flags[-1]:
+            for j in range(len(self.params)):
+                self.dirty[j] = self.used(j)
+            return False
+        for j, (p, averaged) in enumerate(self.views(flat)):
+            if not flags[j]:
+                continue
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(averaged, non_blocking=True)
+            self.dirty[j] = False
+        return True
+
+
+# ---- grouping layers into buckets ---------------------------------------------------------------
+
+def find_layers(module: nn.Module) -> list[Layer]:
+    """Modules owning trainable parameters directly, in registration order, each parameter once,
+    split by dtype and device."""
+    seen: set[int] = set()
+    layers = []
+    for mod_name, mod in module.named_modules():
+        kinds: dict[tuple, list] = {}
+        for p_name, p in mod.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                kinds.setdefault((p.dtype, p.device), []).append((f"{mod_name}.{p_name}" if mod_name else p_name, p))
+        for i, params in enumerate(kinds.values()):
+            name = mod_name or "<root>"
+            layers.append(Layer(name if i == 0 else f"{name}#{i}", mod, tuple(params)))
+    return layers
+
+
+@dataclass(frozen=True)
+class JobCost:
+    """Seconds one sync job of ``nbytes`` takes: ``alpha_s + beta_s_per_byte * nbytes``."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha_s + self.beta_s_per_byte * nbytes
+
+
+def group_layers(layers: Sequence[Layer], cap_bytes: int, solo: set[str],
+                 ready_s: dict[str, float] | None = None, cost: JobCost | None = None) -> list[list[Layer]]:
+    """Group ``layers`` (in the order their gradients become ready) into buckets.
+
+    Without timings (before the first backward) neighbours are fused while the bucket stays under
+    ``cap_bytes``. With ``ready_s`` (seconds from the start of backward at which each layer's last
+    gradient was ready) and the job ``cost``, a layer joins the open bucket only if that delays
+    nothing or saves a message (MG-WFBP): the link would still be busy with earlier buckets when the
+    layer is ready, or the open bucket's transfer time is below the per-job latency. Layers in
+    ``solo`` (SFB candidates) always form a bucket alone; dtypes and devices never mix."""
+    groups: list[list[Layer]] = []
+    current: list[Layer] = []
+    link_free = 0.0
+
+    def close() -> None:
+        nonlocal link_free
+        if ready_s is not None and cost is not None:
+            start = max(ready_s[current[-1].name], link_free)
+            link_free = start + cost.seconds(sum(layer.nbytes for layer in current))
+        groups.append(current)
+
+    def joins(layer: Layer) -> bool:
+        if current[0].name in solo or layer.name in solo or current[0].kind != layer.kind:
+            return False
+        size = sum(x.nbytes for x in current)
+        if size + layer.nbytes > cap_bytes:
+            return False
+        if ready_s is None or cost is None:
+            return True
+        start_if_closed = max(ready_s[current[-1].name], link_free)
+        return start_if_closed >= ready_s[layer.name] or cost.beta_s_per_byte * size < cost.alpha_s
+
+    for layer in layers:
+        if current and not joins(layer):
+            close()
+            current = []
+        current.append(layer)
+    if current:
+        close()
+    return groups
+
+
+def readiness_order(layers: Sequence[Layer], param_order: Sequence[int],
+                    param_ready_s: Sequence[float]) -> tuple[list[Layer], dict[str, float]]:
+    """Layers in the order their last parameter became ready, and that time. ``param_order`` lists
+    positions in ``[p for layer in layers for p in layer.params]`` in event order, ``param_ready_s``
+    their ready times. Layers not all of whose parameters became ready follow in reverse registration
+    order, as if ready at the end."""
+    owner = [layer for layer in layers for _ in layer.params]
+    remaining = {layer.name: len(layer.params) for layer in layers}
+    ready: dict[str, float] = {}
+    for i, t in zip(param_order, param_ready_s):
+        name = owner[i].name
+        remaining[name] -= 1
+        if remaining[name] == 0:
+            ready[name] = t
+    by_name = {layer.name: layer for layer in layers}
+    rest = [layer for layer in reversed(layers) if layer.name not in ready]
+    end = max(ready.values(), default=0.0)
+    return [by_name[name] for name in ready] + rest, {**ready, **{layer.name: end for layer in rest}}
+
+
+def build_buckets(groups: Sequence[Sequence[Layer]], pin_memory: bool,
+                  fc_of: Callable[[Layer], object | None]) -> list[Bucket]:
+    """Buckets for ``groups``; a single-layer bucket whose layer is an FC candidate gets ``fc``."""
+    buckets = []
+    for i, group in enumerate(groups):
+        bucket = Bucket(i, group, pin_memory)
+        if len(group) == 1:
+            bucket.fc = fc_of(group[0])
+        buckets.append(bucket)
+    return buckets

@@ -1,0 +1,66 @@
+"""``poseidon-trace`` (or ``python -m poseidon_torch.trace``): summarize and plot Poseidon Chrome traces.
+
+Usage::
+
+    poseidon-trace summary TRACE [--json]
+    poseidon-trace plot TRACE -o timeline.png [--iteration N]
+
+``summary`` needs no matplotlib; ``plot`` imports it. Errors (missing file, malformed trace, unrecorded
+iteration) print ``poseidon-trace: error: ...`` on stderr and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .files import TraceFormatError, load_spans
+from .spans import Span
+from .summary import format_summary, summarize
+
+PROG = "poseidon-trace"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``poseidon-trace`` / ``python -m poseidon_torch.trace``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        args.command(args, load_spans(args.trace))
+    except TraceFormatError as exc:
+        return _fail(str(exc))
+    except OSError as exc:
+        return _fail(f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
+    except ValueError as exc:
+        return _fail(f"{args.trace}: {exc}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Summarize or plot a Poseidon Chrome trace.")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    summary = commands.add_parser("summary", help="per-layer communication table and overlap totals")
+    summary.add_argument("trace", metavar="TRACE", help="per-rank or merged trace JSON")
+    summary.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    summary.set_defaults(command=_run_summary)
+    plot = commands.add_parser("plot", help="timeline PNG of one iteration per rank")
+    plot.add_argument("trace", metavar="TRACE", help="per-rank or merged trace JSON")
+    plot.add_argument("-o", "--output", required=True, help="PNG file to write")
+    plot.add_argument("--iteration", type=int, help="iteration to show (default: last recorded per rank)")
+    plot.set_defaults(command=_run_plot)
+    return parser
+
+
+def _run_summary(args: argparse.Namespace, spans_by_rank: dict[int, list[Span]]) -> None:
+    summary = summarize(spans_by_rank)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary, args.trace))
+
+
+def _run_plot(args: argparse.Namespace, spans_by_rank: dict[int, list[Span]]) -> None:
+    from .plot import plot_timeline
+
+    plot_timeline(spans_by_rank, args.output, args.iteration)
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2

@@ -1,0 +1,485 @@
+"""Training patterns real code uses, run on every rank: ``fn(rank, world_size, *args)``.
+
+Each pattern trains a wrapped model for a few steps and, at every step, compares the gradients the
+wrapper left in ``.grad`` with the *hand-averaged* gradient: a plain copy of the module, taken before
+the step, runs the same computation on this rank's data, and its gradients are all-reduced and divided
+by the number of ranks. That reference is data parallelism by definition, whatever the wrapper does.
+Each result carries, per step, the largest difference from the reference and a fingerprint of the
+gradients, so the test can check every rank and that the ranks agree bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import pickle
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from poseidon_torch import PoseidonDDP
+
+def slow_link():
+    from poseidon_torch import LinkModel
+
+    return LinkModel.from_gbps(0.01, latency_us=1.0)
+
+
+class MLP(nn.Module):
+    """in -> hidden (Linear, tanh) -> side branch used on demand -> head."""
+
+    def __init__(self, n_in: int = 12, hidden: int = 16, n_out: int = 3, seed: int = 0) -> None:
+        super().__init__()
+        self.init_args = (n_in, hidden, n_out, seed)
+        torch.manual_seed(seed)
+        self.fc1 = nn.Linear(n_in, hidden)
+        self.side = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, n_out)
+
+    def forward(self, x: torch.Tensor, use_side: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        if use_side:
+            h = h + torch.tanh(self.side(h))
+        return self.head(h)
+
+
+def data(step: int, rank: int, rows: int = 4, n_in: int = 12, n_out: int = 3, salt: int = 0):
+    g = torch.Generator().manual_seed(10_000 * salt + 100 * step + rank)
+    return torch.randn(rows, n_in, generator=g), torch.randn(rows, n_out, generator=g)
+
+
+def grads_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in module.named_parameters()}
+
+
+def hand_average(module: nn.Module, group=None) -> dict[str, torch.Tensor | None]:
+    """Per parameter: the sum over the ranks of ``group`` of ``.grad`` (zeros where a rank has none)
+    divided by the group's size; None where no rank has a gradient."""
+    size = dist.get_world_size(group)
+    out = {}
+    for name, p in module.named_parameters():
+        present = torch.tensor([0.0 if p.grad is None else 1.0])
+        dist.all_reduce(present, group=group)
+        if present.item() == 0:
+            out[name] = None
+            continue
+        total = torch.zeros_like(p, dtype=torch.float32) if p.grad is None else p.grad.detach().float().clone()
+        dist.all_reduce(total, group=group)
+        out[name] = total / size
+    return out
+
+
+def compare(ours: dict, reference: dict) -> float:
+    """Largest absolute difference; inf where one side has a gradient and the other has none."""
+    worst = 0.0
+    for name, ref in reference.items():
+        got = ours[name]
+        if (got is None) != (ref is None):
+            return float("inf")
+        if got is not None:
+            worst = max(worst, (got.float() - ref.float()).abs().max().item())
+    return worst
+
+
+def fingerprint(tensors: dict) -> str:
+    """A digest of the exact bits, to check that the ranks agree bit for bit."""
+    digest = hashlib.sha1()
+    for name, t in sorted(tensors.items()):
+        digest.update(name.encode())
+        if t is not None:
+            digest.update(t.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def plain_copy(module: nn.Module) -> nn.Module:
+    """A fresh module of the same class and constructor arguments, with ``module``'s state, no hooks."""
+    plain = type(module)(*module.init_args)
+    plain.load_state_dict(module.state_dict())
+    return plain
+
+
+def run_steps(model: PoseidonDDP, steps: int, step_fn: Callable, rank: int, group=None) -> list[dict]:
+    """For each step: the reference from a plain copy of the module, then the wrapped step; returns
+    per step {diff, fingerprint}. ``step_fn(m, module, step)`` runs forward(s) and backward(s) on ``m``
+    (the wrapped model, or the plain copy) and may call ``module`` (the inner module) directly."""
+    opt = torch.optim.SGD(model.module.parameters(), lr=0.05)
+    out = []
+    for step in range(steps):
+        plain = plain_copy(model.module)
+        step_fn(plain, plain, step)
+        reference = hand_average(plain, group)
+        opt.zero_grad(set_to_none=True)
+        step_fn(model, model.module, step)
+        ours = grads_of(model.module)
+        out.append({"diff": compare(ours, reference), "fingerprint": fingerprint(ours),
+                    "outcomes": dict(model.comm_stats.outcome_by_bucket)})
+        opt.step()
+    return out
+
+
+def wrap(module: nn.Module, **options) -> PoseidonDDP:
+    options.setdefault("timeout", 30)
+    return PoseidonDDP(module, **options)
+
+
+def sfb_options(*names: str) -> dict:
+    return {"fusion_bytes": 0, "overrides": {n: "SFB" for n in names}}
+
+
+def _raise(exc: BaseException):
+    raise exc
+
+
+# ---- item 1: an exception in backward that every rank catches ---------------------------------------
+
+def caught_exception_in_backward(rank: int, world_size: int) -> dict:
+    model = wrap(MLP())
+    results = []
+    opt = torch.optim.SGD(model.module.parameters(), lr=0.05)
+    for step in range(5):
+        x, y = data(step, rank)
+        if step == 1:  # a bad batch: backward raises half way (head synced, fc1 not), every rank skips it
+            handle = model.module.fc1.register_forward_hook(
+                lambda mod, args, out: [out.register_hook(lambda g: _raise(ValueError("bad batch")))] and None)
+            out = model(x)
+            handle.remove()
+            try:
+                F.mse_loss(out, y).backward()
+            except ValueError:
+                pass
+            opt.zero_grad(set_to_none=True)
+            continue
+        plain = plain_copy(model.module)
+        F.mse_loss(plain(x), y).backward()
+        reference = hand_average(plain)
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        ours = grads_of(model.module)
+        results.append({"diff": compare(ours, reference), "fingerprint": fingerprint(ours)})
+        opt.step()
+    model.close()
+    return {"steps": results}
+
+
+# ---- item 2: a no_grad forward between the training forward and its backward --------------------------
+
+def no_grad_forward_before_backward(rank: int, world_size: int, hybrid: bool) -> dict:
+    options = {"link": slow_link()} if hybrid else {"hybrid": False}
+    model = wrap(MLP(), **options)
+
+    def step(m, module, i):
+        x, y = data(i, rank)
+        out = m(x)
+        with torch.no_grad():  # a teacher or logging pass
+            m(x * 2)
+        F.mse_loss(out, y).backward()
+
+    results = run_steps(model, 4, step, rank)
+    model.close()
+    return {"steps": results}
+
+
+# ---- item 3: no_sync accumulation with a branch used only in an earlier micro-batch --------------------
+
+def no_sync_branch_used_early(rank: int, world_size: int, force: str | None) -> dict:
+    options = sfb_options("side") if force == "SFB" else {"hybrid": False}
+    model = wrap(MLP(), **options)
+
+    def step(m, module, i):
+        for micro in range(3):
+            x, y = data(i, rank, salt=micro)
+            ctx = m.no_sync() if (micro < 2 and isinstance(m, PoseidonDDP)) else _null()
+            with ctx:
+                F.mse_loss(m(x, use_side=(micro == 0)), y).backward()
+
+    results = run_steps(model, 3, step, rank)
+    model.close()
+    return {"steps": results}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---- item 4: SFB must add the factors to whatever else reaches the weight's gradient -------------------
+
+def sfb_pattern(rank: int, world_size: int, pattern: str) -> dict:
+    model = wrap(MLP(), link=slow_link(), **sfb_options("fc1", "side", "head"))
+    mask = (torch.rand(16, 12, generator=torch.Generator().manual_seed(3)) > 0.5).float()
+    masked: set[int] = set()
+
+    def step(m, module, i):
+        x, y = data(i, rank)
+        if pattern == "weight_hook" and id(module) not in masked:  # a pruning mask, on both models
+            module.fc1.weight.register_hook(lambda g: g * mask)
+            masked.add(id(module))
+        if pattern == "retain_graph":
+            out = m(x)
+            F.mse_loss(out, y).backward(retain_graph=True)
+            out.pow(2).mean().backward()
+        elif pattern in ("gradient_penalty", "lazy_penalty"):
+            x = x.requires_grad_()
+            out = m(x)
+            loss = F.mse_loss(out, y)
+            if pattern == "gradient_penalty" or i == 2:  # lazy: a penalty only every few steps
+                (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+                loss = loss + 0.1 * gx.pow(2).sum()
+            loss.backward()
+        elif pattern == "l2_on_weight":
+            (F.mse_loss(m(x), y) + 0.01 * module.fc1.weight.pow(2).sum()).backward()
+        elif pattern == "weight_hook":
+            F.mse_loss(m(x), y).backward()
+        elif pattern == "siamese":
+            x2, y2 = data(i, rank, rows=2 + i % 3, salt=7)
+            loss = F.mse_loss(m(x), y) + F.mse_loss(m(x2), y2)
+            loss.backward()
+        elif pattern == "call_outside_forward":
+            out = m(x)
+            extra = module.head(torch.tanh(module.fc1(x * 0.5))).pow(2).mean()
+            (F.mse_loss(out, y) + extra).backward()
+        else:
+            raise ValueError(pattern)
+
+    try:
+        results = run_steps(model, 4, step, rank)
+    except RuntimeError as exc:
+        model.close()
+        return {"steps": [], "error": str(exc)}
+    model.close()
+    return {"steps": results, "error": None}
+
+
+# ---- item 5: wrapping the same module twice --------------------------------------------------------------
+
+def wrap_twice(rank: int, world_size: int) -> dict:
+    module = MLP()
+    first = wrap(module, hybrid=False)
+    try:
+        second = wrap(module, hybrid=False)
+    except Exception as exc:  # failing clearly is allowed
+        first.close()
+        return {"error": f"{type(exc).__name__}: {exc}", "steps": []}
+    first_iterations = first.comm_stats.iterations
+
+    def step(m, inner, i):
+        x, y = data(i, rank)
+        F.mse_loss(m(x), y).backward()
+
+    results = run_steps(second, 3, step, rank)
+    first_synced = first.comm_stats.iterations - first_iterations
+    second.close()
+    first.close()
+    return {"error": None, "steps": results, "first_still_synced": first_synced}
+
+
+# ---- item 6: SFB with gradients accumulating across steps keeps the replicas bit-identical ---------------
+
+def sfb_accumulating_grads(rank: int, world_size: int) -> dict:
+    model = wrap(MLP(), **sfb_options("fc1", "head"))
+    opt = torch.optim.SGD(model.module.parameters(), lr=0.05)
+    for step in range(6):
+        x, y = data(step, rank)
+        F.mse_loss(model(x), y).backward()  # no zero_grad: .grad keeps summing
+        opt.step()
+    params = fingerprint({n: p for n, p in model.module.named_parameters()})
+    outcomes = dict(model.comm_stats.outcome_by_bucket)
+    model.close()
+    return {"params": params, "outcomes": outcomes}
+
+
+# ---- item 7: AMP autocast and models with parameters of several dtypes -----------------------------------
+
+def amp_autocast(rank: int, world_size: int, force: str) -> dict:
+    options = sfb_options("fc1", "head") if force == "SFB" else {"hybrid": False}
+    model = wrap(MLP(), **options)
+
+    def step(m, module, i):
+        x, y = data(i, rank)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        F.mse_loss(out.float(), y).backward()
+
+    results = run_steps(model, 4, step, rank)
+    model.close()
+    return {"steps": results}
+
+
+class MixedDtype(nn.Module):
+    """bf16 linear layers with an fp32 LayerNorm between them (a common low-precision recipe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.init_args = ()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(12, 16).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 3).to(torch.bfloat16)
+
+    def forward(self, x):
+        h = self.norm(self.fc1(x.to(torch.bfloat16)).float())
+        return self.head(h.to(torch.bfloat16)).float()
+
+
+def mixed_dtypes(rank: int, world_size: int) -> dict:
+    model = wrap(MixedDtype(), hybrid=False)
+
+    def step(m, module, i):
+        x, y = data(i, rank)
+        F.mse_loss(m(x), y).backward()
+
+    results = run_steps(model, 3, step, rank)
+    model.close()
+    return {"steps": results}
+
+
+# ---- item 8: activation checkpointing, reentrant and not, with FC layers inside -------------------------
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.init_args = (reentrant,)
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.fc1 = nn.Linear(12, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.fc1(x))
+        h = checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def activation_checkpointing(rank: int, world_size: int, reentrant: bool) -> dict:
+    model = wrap(Checkpointed(reentrant), link=slow_link(), fusion_bytes=0)
+
+    def step(m, module, i):
+        x, y = data(i, rank)
+        F.mse_loss(m(x), y).backward()
+
+    results = run_steps(model, 4, step, rank)
+    model.close()
+    return {"steps": results}
+
+
+# ---- item 9: a Linear used on some ranks only, under no_sync ---------------------------------------------
+
+def no_sync_layer_on_some_ranks(rank: int, world_size: int) -> dict:
+    model = wrap(MLP(), link=slow_link(), fusion_bytes=0)
+
+    def step(m, module, i):
+        for micro in range(2):
+            x, y = data(i, rank, salt=micro)
+            ctx = m.no_sync() if (micro == 0 and isinstance(m, PoseidonDDP)) else _null()
+            with ctx:
+                F.mse_loss(m(x, use_side=(micro == 0 and rank == 0)), y).backward()
+
+    results = run_steps(model, 4, step, rank)
+    model.close()
+    return {"steps": results}
+
+
+# ---- item 10: a process group other than the world --------------------------------------------------------
+
+def subgroup_training(rank: int, world_size: int, members: tuple[int, ...]) -> dict:
+    group = dist.new_group(list(members), use_local_synchronization=True) if rank in members else None
+    if rank not in members:
+        return {"member": False}
+    model = wrap(MLP(), process_group=group, link=slow_link(), fusion_bytes=0)
+
+    def step(m, module, i):
+        x, y = data(i, rank)
+        F.mse_loss(m(x), y).backward()
+
+    results = run_steps(model, 3, step, rank, group=group)
+    model.close()
+    return {"member": True, "steps": results}
+
+
+# ---- item 11: forward on one rank only; uneven inputs with join() -----------------------------------------
+
+def forward_on_rank0_only(rank: int, world_size: int) -> dict:
+    model = wrap(MLP(), link=slow_link(), fusion_bytes=0)
+
+    def step(m, module, i):
+        x, y = data(i, rank)
+        F.mse_loss(m(x), y).backward()
+        if rank == 0 and isinstance(m, PoseidonDDP):  # accuracy on rank 0 only, as training scripts do
+            with torch.no_grad():
+                m(x)
+            m.eval()
+            m(x).sum()  # grad-enabled, eval mode, never backpropagated
+            m.train()
+
+    start = time.monotonic()
+    results = run_steps(model, 3, step, rank)
+    model.close()
+    return {"steps": results, "seconds": time.monotonic() - start}
+
+
+def uneven_inputs_join(rank: int, world_size: int, wrapper: str) -> dict:
+    """Rank r has 3 + r batches; both wrappers train inside ``join()``; returns the final parameters."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    module = MLP(seed=5)
+    model = wrap(module, hybrid=False) if wrapper == "poseidon" else DDP(module, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with model.join():
+        for step in range(3 + rank):
+            x, y = data(step, rank)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    if wrapper == "poseidon":
+        model.close()
+    return {"params": params}
+
+
+# ---- item 12: deepcopy and pickling --------------------------------------------------------------------
+
+def deepcopy_and_pickle(rank: int, world_size: int) -> dict:
+    model = wrap(MLP(), link=slow_link(), fusion_bytes=0)
+    x, y = data(0, rank)
+    F.mse_loss(model(x), y).backward()
+    ema = copy.deepcopy(model)
+    inner_copy = copy.deepcopy(model.module)  # EMA of the inner module, the other common spelling
+    with torch.no_grad():
+        ema_out = ema(x)
+        inner_out = inner_copy(x)
+    restored = pickle.loads(pickle.dumps(model))
+    with torch.no_grad():
+        restored_out = restored(x)
+
+    def step(m, module, i):
+        xs, ys = data(i, rank)
+        F.mse_loss(m(xs), ys).backward()
+
+    results = run_steps(model, 2, step, rank)
+    same = torch.equal(ema_out, restored_out) and torch.equal(ema_out, inner_out)
+    model.close()
+    return {"steps": results, "copies_agree": same}
+
+
+def close_releases_hooks(rank: int, world_size: int) -> dict:
+    """After close() the module trains as a plain local module: gradients stay rank-local."""
+    module = MLP()
+    model = wrap(module, hybrid=False)
+    x, y = data(0, rank)
+    F.mse_loss(model(x), y).backward()
+    model.close()
+    module.zero_grad()
+    F.mse_loss(module(x), y).backward()
+    local = grads_of(module)
+    plain = plain_copy(module)
+    F.mse_loss(plain(x), y).backward()
+    return {"diff_from_local": compare(local, grads_of(plain))}
