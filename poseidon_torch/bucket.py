@@ -198,10 +198,12 @@ def group_layers(layers: Sequence[Layer], cap_bytes: int, solo: set[str],
 
     Without timings (before the first backward) neighbours are fused while the bucket stays under
     ``cap_bytes``. With ``ready_s`` (seconds from the start of backward at which each layer's last
-    gradient was ready) and the job ``cost``, a layer joins the open bucket only if that delays
-    nothing or saves a message (MG-WFBP): the link would still be busy with earlier buckets when the
-    layer is ready, or the open bucket's transfer time is below the per-job latency. Layers in
-    ``solo`` (SFB candidates) always form a bucket alone; dtypes and devices never mix."""
+    gradient was ready) and the job ``cost``, the links are simulated as one pipeline of sync jobs
+    and a layer joins the open bucket when that does not delay the end of its own sync (the link would
+    be busy until then anyway, or the wait is shorter than the message it saves), or when the open
+    bucket is latency-bound: its transfer time is below the per-job latency (MG-WFBP's rule). Big
+    layers ready well apart stay alone, so their syncs start early. Layers in ``solo`` (SFB
+    candidates) always form a bucket alone; dtypes and devices never mix."""
     groups: list[list[Layer]] = []
     current: list[Layer] = []
     link_free = 0.0
@@ -221,8 +223,11 @@ def group_layers(layers: Sequence[Layer], cap_bytes: int, solo: set[str],
             return False
         if ready_s is None or cost is None:
             return True
-        start_if_closed = max(ready_s[current[-1].name], link_free)
-        return start_if_closed >= ready_s[layer.name] or cost.beta_s_per_byte * size < cost.alpha_s
+        ready = ready_s[layer.name]
+        closed_end = max(ready_s[current[-1].name], link_free) + cost.seconds(size)
+        separate = max(ready, closed_end) + cost.seconds(layer.nbytes)
+        merged = max(ready, link_free) + cost.seconds(size + layer.nbytes)
+        return merged <= separate or cost.beta_s_per_byte * size < cost.alpha_s
 
     for layer in layers:
         if current and not joins(layer):

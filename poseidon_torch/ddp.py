@@ -32,7 +32,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from .coordinator import Plan
 from .engine import CommStats, Engine
 from .env import option
-from .link import LinkModel, probe_gemm_flops, probe_link
+from .link import LinkModel, default_link, probe_gemm_flops, probe_link
 from .pools import Groups
 from .replicas import broadcast_from, check_same_model
 from .sfb import fc_spec
@@ -151,10 +151,9 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def _cost_inputs(self, device: torch.device) -> tuple[LinkModel, float]:
         """The link and GEMM rate for the cost model: probed (collectively) only when some layer could
-        take the SFB path at all."""
-        idle = LinkModel(0.0, 0.0, "unused")
+        take the SFB path at all; otherwise the buckets' own first sync jobs are the measurement."""
         if not self.options.hybrid or self.world_size == 1 or not any(fc_spec(m) for m in self.module.modules()):
-            return self.options.link or idle, 1.0
+            return self.options.link or default_link("not probed: no layer can take SFB"), 1.0
         wire = "cpu" if self._staged else device
         key = (tuple(self._group_ranks), self._backend)
         link = self.options.link or probe_link(self._groups.data, key, device=wire)

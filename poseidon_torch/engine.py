@@ -22,7 +22,6 @@ The per-iteration state machine lives here, in one place:
 from __future__ import annotations
 
 import contextlib
-import statistics
 import threading
 import time
 from collections.abc import Callable, Generator, Hashable, Sequence
@@ -37,7 +36,7 @@ from .barrier import BSPBarrier, SyncError
 from .bucket import Bucket, JobCost, Layer, build_buckets, find_layers, group_layers, readiness_order
 from .coordinator import PS, SFB, Coordinator, PassFacts
 from .kvstore import PSPath, ps_messages
-from .link import LinkModel
+from .link import LinkModel, theil_sen
 from .pools import ChannelGroups, Groups, StreamPool, SyncChannel, assign_round_robin
 from .sfb import FCLayer, SFBPath, fc_layers
 from .trace import Recorder
@@ -136,10 +135,11 @@ class Engine:
         self._round: Round | None = None
         self._latest_forward_synced = False
         self._armed: dict[int, Round] = {}  # graph task -> round, for synced backwards now running
+        self._backward_start_ns = 0  # when the last synced backward reached the outputs
         self._pass: Pass | None = None
         self._contexts: dict[int, SyncContext] = {}
         self._learned = False
-        self._used_ever: set[int] = set()
+        self._never_used = {id(p) for layer in self.layers for _, p in layer.params}  #: by any rank, so far
         self.closed = False
         self.buckets: list[Bucket] = []
         groups = group_layers(list(reversed(self.layers)), min(fusion_bytes, INITIAL_FUSION_BYTES),
@@ -227,6 +227,7 @@ class Engine:
             if task in self._armed or round_ is None:
                 return
             self._armed[task] = round_
+            self._backward_start_ns = time.monotonic_ns()
         torch.autograd.Variable._execution_engine.queue_callback(partial(self._task_ended, task))
 
     def _on_accumulated(self, param: nn.Parameter) -> None:
@@ -277,7 +278,8 @@ class Engine:
 
     def _open(self, round_: Round | None, task: int, queue_end: bool, shadow: bool = False) -> Pass:
         p = Pass(round_, task, shadow=shadow)
-        p.last_ready_ns = p.began_ns
+        p.last_ready_ns = self._backward_start_ns or p.began_ns
+        self._backward_start_ns = 0
         for bucket in self.buckets:
             layer = bucket.fc
             committed = layer is not None and layer.witness is not None
@@ -438,9 +440,12 @@ class Engine:
     def _learn_if_needed(self, p: Pass) -> None:
         """Rebuild the buckets from the readiness order of this pass (rank 0's, the same everywhere):
         once, and again only when a parameter no rank had used before gets a gradient."""
-        used = {id(param) for b in self.buckets for param, used in zip(b.params, b.used_anywhere) if used}
-        grew = not used <= self._used_ever
-        self._used_ever |= used
+        grew = False
+        for param_id in list(self._never_used):
+            bucket, j = self._slot[param_id]
+            if bucket.used_anywhere[j]:
+                self._never_used.discard(param_id)
+                grew = True
         if self._learned and not grew:
             return
         mine = (p.order, p.order_ns, self._job_cost()) if self.rank == 0 else None
@@ -451,12 +456,16 @@ class Engine:
         self._learned = True
 
     def _job_cost(self) -> JobCost:
-        """Seconds per sync job as measured in this pass: the link's bandwidth, and the median of what
-        each job took beyond its bytes (latency and software), never below the link's latency."""
-        beta = self.link.beta_s_per_byte * 2 * (self.world_size - 1) / self.world_size
-        floor = self.link.alpha_s * ps_messages(self.world_size)
-        extra = [b.sync_seconds - beta * b.nbytes for b in self.buckets]
-        return JobCost(max(statistics.median(extra), floor) if extra else floor, beta)
+        """Seconds per sync job of a bucket of n bytes, fitted (Theil-Sen) to what this pass's jobs
+        took: latency, software and bandwidth as they really are, contention with backward included.
+        Too few distinct sizes, or a fit that does not grow with the size, fall back to the link model."""
+        link_cost = JobCost(self.link.alpha_s * ps_messages(self.world_size),
+                            self.link.beta_s_per_byte * 2 * (self.world_size - 1) / self.world_size)
+        with contextlib.suppress(ValueError):
+            alpha, beta = theil_sen([b.nbytes for b in self.buckets], [b.sync_seconds for b in self.buckets])
+            if beta > 0:
+                return JobCost(max(alpha, link_cost.alpha_s), beta)
+        return link_cost
 
     # ---- lifetime ----------------------------------------------------------------------------------
 

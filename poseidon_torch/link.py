@@ -82,11 +82,8 @@ def fit_link(sizes: Sequence[int], seconds: Sequence[Sequence[float]], world_siz
         return LinkFit(LinkModel(0.0, 0.0, "single rank"), True)
     if len(sizes) != len(seconds) or len(set(sizes)) < 2 or any(not s for s in seconds):
         raise ValueError("fit_link needs timings for at least two distinct sizes")
-    medians = [statistics.median(s) for s in seconds]
-    points = sorted(zip(sizes, medians))
-    slopes = [(t2 - t1) / (s2 - s1) for (s1, t1), (s2, t2) in combinations(points, 2) if s2 != s1]
-    b = statistics.median(slopes)
-    a = max(statistics.median(t - b * s for s, t in points), 0.0)
+    a, b = theil_sen(sizes, [statistics.median(s) for s in seconds])
+    a = max(a, 0.0)
     steps = 2 * (world_size - 1)
     model = LinkModel(a / steps, b * world_size / steps, "probed")
     if b <= 0:
@@ -98,6 +95,17 @@ def fit_link(sizes: Sequence[int], seconds: Sequence[Sequence[float]], world_siz
         return LinkFit(model, False, f"latency {model.alpha_s * 1e6:.3g} us is outside "
                                      f"0..{LATENCY_RANGE_S[1] * 1e6:.0f} us")
     return LinkFit(model, True)
+
+
+def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(intercept, slope) of the Theil-Sen line: the median of the slopes between every pair of points
+    with distinct x, and the median of ``y - slope x``. Needs two distinct x."""
+    points = sorted(zip(xs, ys))
+    slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in combinations(points, 2) if x2 != x1]
+    if not slopes:
+        raise ValueError("a line needs points at two distinct x")
+    slope = statistics.median(slopes)
+    return statistics.median(y - slope * x for x, y in points), slope
 
 
 def default_link(reason: str) -> LinkModel:

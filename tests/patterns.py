@@ -120,6 +120,14 @@ def run_steps(model: PoseidonDDP, steps: int, step_fn: Callable, rank: int, grou
     return out
 
 
+def simple_step(rank: int) -> Callable:
+    """The plainest step: one forward, an MSE loss, one backward."""
+    def step(m, module, i):
+        x, y = data(i, rank)
+        F.mse_loss(m(x), y).backward()
+    return step
+
+
 def wrap(module: nn.Module, **options) -> PoseidonDDP:
     options.setdefault("timeout", 30)
     return PoseidonDDP(module, **options)
@@ -261,18 +269,15 @@ def sfb_pattern(rank: int, world_size: int, pattern: str) -> dict:
 def wrap_twice(rank: int, world_size: int) -> dict:
     module = MLP()
     first = wrap(module, hybrid=False)
+    x, y = data(0, rank)
+    F.mse_loss(first(x), y).backward()  # some training with the first wrapper, then a new wrapper
     try:
         second = wrap(module, hybrid=False)
     except Exception as exc:  # failing clearly is allowed
         first.close()
         return {"error": f"{type(exc).__name__}: {exc}", "steps": []}
     first_iterations = first.comm_stats.iterations
-
-    def step(m, inner, i):
-        x, y = data(i, rank)
-        F.mse_loss(m(x), y).backward()
-
-    results = run_steps(second, 3, step, rank)
+    results = run_steps(second, 3, simple_step(rank), rank)
     first_synced = first.comm_stats.iterations - first_iterations
     second.close()
     first.close()
@@ -329,12 +334,7 @@ class MixedDtype(nn.Module):
 
 def mixed_dtypes(rank: int, world_size: int) -> dict:
     model = wrap(MixedDtype(), hybrid=False)
-
-    def step(m, module, i):
-        x, y = data(i, rank)
-        F.mse_loss(m(x), y).backward()
-
-    results = run_steps(model, 3, step, rank)
+    results = run_steps(model, 3, simple_step(rank), rank)
     model.close()
     return {"steps": results}
 
@@ -361,12 +361,7 @@ class Checkpointed(nn.Module):
 
 def activation_checkpointing(rank: int, world_size: int, reentrant: bool) -> dict:
     model = wrap(Checkpointed(reentrant), link=slow_link(), fusion_bytes=0)
-
-    def step(m, module, i):
-        x, y = data(i, rank)
-        F.mse_loss(m(x), y).backward()
-
-    results = run_steps(model, 4, step, rank)
+    results = run_steps(model, 4, simple_step(rank), rank)
     model.close()
     return {"steps": results}
 
@@ -395,12 +390,7 @@ def subgroup_training(rank: int, world_size: int, members: tuple[int, ...]) -> d
     if rank not in members:
         return {"member": False}
     model = wrap(MLP(), process_group=group, link=slow_link(), fusion_bytes=0)
-
-    def step(m, module, i):
-        x, y = data(i, rank)
-        F.mse_loss(m(x), y).backward()
-
-    results = run_steps(model, 3, step, rank, group=group)
+    results = run_steps(model, 3, simple_step(rank), rank, group=group)
     model.close()
     return {"member": True, "steps": results}
 

@@ -429,3 +429,48 @@ def exchange_factors_roundtrip(rank: int, world_size: int) -> dict:
             "u": got.u, "v": got.v,
             "expected_u": torch.cat([s[0][:pad] for s in sent]), "expected_v": torch.cat([s[1][:pad] for s in sent]),
             "bytes": got.bytes_sent, "block_bytes": -(-(24 + pad * (m + n) * 4) // 8) * 8}
+
+
+class TwoBranches(torch.nn.Module):
+    """Two parallel branches whose forward order depends on the rank, so their gradients become
+    ready in a different order on different ranks."""
+
+    def __init__(self, flip: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.flip = flip
+        self.stem = torch.nn.Linear(8, 16)
+        self.left = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+        self.right = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 16))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.stem(x))
+        if self.flip:
+            b = self.right(h)
+            a = self.left(h)
+        else:
+            a = self.left(h)
+            b = self.right(h)
+        return self.head(a + b)
+
+
+def learned_buckets(rank: int, world_size: int) -> dict:
+    """Train TwoBranches (rank-dependent readiness order) with small fusion: the learned buckets and
+    this rank's own order of gradient readiness in the last step."""
+    model = TwoBranches(flip=rank % 2 == 0)
+    wrapped = PoseidonDDP(model, timeout=60, hybrid=False, fusion_bytes=4096)
+    order: list[str] = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
+    initial = wrapped.bucket_names
+    for step in range(3):
+        order.clear()
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+        model.zero_grad()
+        F.mse_loss(wrapped(x), y).backward()
+    out = {"initial": initial, "learned": wrapped.bucket_names, "order": list(order),
+           "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    wrapped.close()
+    return out
