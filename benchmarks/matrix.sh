@@ -1,20 +1,34 @@
 #!/usr/bin/env bash
-# The README's results table: 2 and 4 emulated hosts x 1 and 10 Gbit/s x the three workloads, each with
-# compute-only, torch DDP, PoseidonDDP PS-only and PoseidonDDP hybrid in one invocation.
-# Needs root (network namespaces + tc); takes about 15 minutes on a 2-core machine.
+# The README's results table: each configuration runs compute-only, torch DDP, PoseidonDDP PS-only and
+# PoseidonDDP hybrid side by side, in one invocation per workload.
 #   bash benchmarks/matrix.sh [OUT_DIR]
+# Environment (defaults in brackets):
+#   CONFIGS    mode:hosts[:bandwidth] list ["localhost:2 netns:2:1gbit netns:2:10gbit netns:4:1gbit"]
+#   WORKLOADS  ["fc_heavy resnet transformer"]
+#   REPEATS    runs of every configuration [1]; the report gives each run's cells
+#   ITERS, WARMUP  timed and untimed iterations [12, 3]
+# netns configurations need root (network namespaces + tc); each one takes a few minutes on 2 cores.
 set -uo pipefail
 out=${1:-bench_out}
-status=0
+configs=${CONFIGS:-"localhost:2 netns:2:1gbit netns:2:10gbit netns:4:1gbit"}
+workloads=${WORKLOADS:-"fc_heavy resnet transformer"}
+repeats=${REPEATS:-1}
 export POSEIDON_TRACE_SKIP=4 POSEIDON_TRACE_ITERS=8   # trace part of the timed loop for the overlap column
-for hosts in 2 4; do
-  for bw in 1gbit 10gbit; do
-    # a failed mode is recorded in results.json and the table; go on with the other configurations
-    python -m poseidon_torch.bench --mode netns --hosts "$hosts" --bandwidth "$bw" --workload all \
-      --iters 12 --warmup 3 --out "$out/h${hosts}_${bw}" || status=1
+status=0
+results=()
+for run in $(seq 1 "$repeats"); do
+  for config in $configs; do
+    IFS=: read -r mode hosts bw <<< "$config"
+    bw=${bw:-1gbit}
+    for workload in $workloads; do
+      dir="$out/run${run}/${mode}_h${hosts}_${bw}_${workload}"
+      # a failed mode is recorded in results.json and the table; go on with the other configurations
+      python -m poseidon_torch.bench --mode "$mode" --hosts "$hosts" --bandwidth "$bw" --workload "$workload" \
+        --iters "${ITERS:-12}" --warmup "${WARMUP:-3}" --out "$dir" || status=1
+      results+=("$dir/results.json")
+    done
   done
 done
-python -m poseidon_torch.bench.report "$out"/h2_1gbit/results.json "$out"/h2_10gbit/results.json \
-  "$out"/h4_1gbit/results.json "$out"/h4_10gbit/results.json > "$out/table.md"
+python -m poseidon_torch.bench.report "${results[@]}" > "$out/table.md"
 cat "$out/table.md"
 exit $status
