@@ -1,7 +1,8 @@
 """BSP counter barrier: a backward ends only when every sync job of its pass has completed.
 
 The paper's client keeps a 0/1 vector with one entry per syncer and waits until all are 1. Here the
-entries are job keys (one per bucket, plus the pass's facts exchange). Invariants:
+entries are job keys (one per bucket). This is the Python core's barrier; the native core has its
+own, with the same contract. Invariants:
 - ``arrive`` and ``fail`` may be called from any thread; ``wait`` by the training thread only;
 - ``wait`` returns only when every expected job arrived; it raises :class:`SyncError` naming the first
   failed job and its cause, or :class:`SyncTimeout` naming the jobs still missing; it never blocks
@@ -45,7 +46,7 @@ class BSPBarrier:
             if key not in self._missing:
                 raise RuntimeError(f"sync job {self._describe(key)} completed twice in one pass")
             self._missing.discard(key)
-            if len(self._missing) <= 1:
+            if not self._missing:
                 self._cond.notify_all()
 
     def fail(self, key: Hashable, cause: BaseException) -> None:
@@ -59,11 +60,10 @@ class BSPBarrier:
                 self._failure = error
             self._cond.notify_all()
 
-    def wait(self, timeout: float, but: Hashable | None = None) -> None:
-        """Until every job arrived (every job but ``but``, from that job's own thread)."""
+    def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._failure is None and self._missing - {but}:
+            while self._failure is None and self._missing:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     names = sorted(self._describe(k) for k in self._missing)

@@ -19,11 +19,12 @@ CUDA events. Invariants:
   aborted flag > 0 means some rank's backward was aborted and nothing is written back;
 - ``dirty`` marks parameters whose ``.grad`` holds local, unsynced gradient (accumulated under
   ``no_sync`` or in an aborted pass): they count as used at the next synced backward, however long
-  the no_sync session lasted.
+  the no_sync session lasted. ``seen``, ``dirty`` and ``used_anywhere`` are uint8 tensors that the
+  core (Python or native) and the paths share; the bucket's readiness countdown lives in the core.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,13 +50,14 @@ class Layer:
 
 
 class Bucket:
-    """The parameters of one sync job, their flat buffer and their readiness in the current pass."""
+    """The parameters of one sync job, their flat buffer and the flags the core and the paths share."""
 
     def __init__(self, index: int, layers: Sequence[Layer], pin_memory: bool = False) -> None:
         self.index = index
         self.layers = list(layers)
         self.params = [p for layer in self.layers for _, p in layer.params]
         self.param_names = [n for layer in self.layers for n, _ in layer.params]
+        self.position = {id(p): j for j, p in enumerate(self.params)}
         self.offsets, offset = [], 0
         for p in self.params:
             self.offsets.append(offset)
@@ -64,14 +66,11 @@ class Bucket:
         device = torch.device("cpu") if pin_memory else self.device
         self.flat = torch.zeros(self.grad_numel + len(self.params) + 1, dtype=self.dtype, device=device,
                                 pin_memory=pin_memory)
-        self.position = {id(p): j for j, p in enumerate(self.params)}
         self.fc = None  #: the FC layer (sfb.FCLayer) when this bucket may take the SFB path
-        self.dirty = [False] * len(self.params)
-        self.used_anywhere = [False] * len(self.params)  #: after the last sync: some rank used it
-        self.seen = [False] * len(self.params)
-        self.pending: set[Hashable] = set()
-        self.submitted = False
-        self.late = False  #: a gradient arrived after the bucket was submitted in this pass
+        n = len(self.params)
+        self.seen = torch.zeros(n, dtype=torch.uint8)  #: accumulated in the current pass (the core sets it)
+        self.dirty = torch.zeros(n, dtype=torch.uint8)  #: holds local, unsynced gradient
+        self.used_anywhere = torch.zeros(n, dtype=torch.uint8)  #: after the last sync: some rank used it
         self.bytes_sent = 0  #: by this rank in the bucket's last sync
         self.sync_seconds = 0.0  #: how long the bucket's last sync job took
         self.outcome = ""  #: how its last sync went: "PS", "SFB", or "SFB->PS" (exactness fallback)
@@ -96,29 +95,6 @@ class Bucket:
         """Bytes of the flat buffer (gradients and flags), what the PS path moves."""
         return self.flat.numel() * self.flat.element_size()
 
-    # ---- readiness within one pass (the engine holds its lock around these) ----------------------
-
-    def begin_pass(self, pending: set[Hashable]) -> None:
-        self.pending = set(pending)
-        self.seen = [False] * len(self.params)
-        self.submitted = self.late = False
-
-    def arrive(self, key: Hashable) -> bool:
-        """A readiness event (a parameter index, or an FC layer's "factors"); True when the bucket
-        just became ready. A gradient that arrives after the bucket was submitted marks it late."""
-        if isinstance(key, int):
-            self.seen[key] = True
-        if self.submitted:
-            self.late = self.late or isinstance(key, int)
-            return False
-        if key not in self.pending:
-            return False
-        self.pending.discard(key)
-        return not self.pending
-
-    def used(self, j: int) -> bool:
-        return self.seen[j] or self.dirty[j]
-
     # ---- the flat buffer ------------------------------------------------------------------------
 
     def views(self, flat: torch.Tensor | None = None) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
@@ -127,8 +103,9 @@ class Bucket:
             yield p, flat[offset:offset + p.numel()].view(p.shape)
 
     def gather(self, aborted: bool, shadow: bool = False) -> None:
-        """Copy this rank's ``.grad`` (zeros where None), the used flags and the aborted flag into the
-        flat buffer; a ``shadow`` (joined) rank contributes zeros and no flags."""
+        """Copy this rank's ``.grad`` (zeros where None), the used flags (accumulated in this pass, or
+        dirty) and the aborted flag into the flat buffer; a ``shadow`` (joined) rank contributes zeros
+        and no flags."""
         if shadow:
             self.flat.zero_()
             return
@@ -137,8 +114,9 @@ class Bucket:
                 piece.zero_()
             else:
                 piece.copy_(p.grad, non_blocking=True)
-        flags = [USED if self.used(j) else 0.0 for j in range(len(self.params))] + [USED if aborted else 0.0]
-        self.flat[self.grad_numel:].copy_(torch.tensor(flags, dtype=self.dtype), non_blocking=True)
+        flags = self.flat[self.grad_numel:]
+        flags[:-1].copy_(self.seen | self.dirty, non_blocking=True)
+        flags[-1] = USED if aborted else 0.0
         if self.flat.device != self.device:  # staged through host memory: gloo reads it next
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -146,19 +124,18 @@ class Bucket:
         """Write the averages back into ``.grad`` of every parameter some rank used; returns False
         (and writes nothing, keeping local gradients as unsynced) when some rank aborted."""
         flat = self.flat if flat is None else flat
-        flags = (flat[self.grad_numel:] > 0).tolist()
-        self.used_anywhere = flags[:-1]
+        flags = flat[self.grad_numel:] > 0
+        self.used_anywhere.copy_(flags[:-1])
         if flags[-1]:
-            for j in range(len(self.params)):
-                self.dirty[j] = self.used(j)
+            self.dirty |= self.seen
             return False
-        for j, (p, averaged) in enumerate(self.views(flat)):
-            if not flags[j]:
+        for used, (p, averaged) in zip(self.used_anywhere.tolist(), self.views(flat)):
+            if not used:
                 continue
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             p.grad.copy_(averaged, non_blocking=True)
-            self.dirty[j] = False
+        self.dirty &= ~self.used_anywhere.bool()
         return True
 
 

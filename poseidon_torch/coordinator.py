@@ -10,7 +10,9 @@ everywhere: it is when the sticky facts are learned.
 Cost model: predicted seconds per pass on this implementation's traffic (one byte formula per path,
 shared with the stats and the benchmark): PS ``link.seconds(ps_bytes_per_rank, 2(P-1) rounds)``; SFB
 ``link.seconds(sfb_bytes_per_rank, P-1 ring steps)`` plus its rebuild GEMM, ``2 M (P K) N`` flops at
-the measured rate. Invariant: SFB is only ever chosen for a layer that can take it exactly.
+the measured rate. The choice charges PS only its bytes (on PS a layer can share a bucket, and its
+messages, with its neighbours; on SFB it is a job of its own). Invariant: SFB is only ever chosen for a
+layer that can take it exactly.
 """
 from __future__ import annotations
 
@@ -133,7 +135,9 @@ class Coordinator:
             return True
         layer = self.fc[name]
         nbytes = sum(p.numel() for p in layer.params) * layer.weight.element_size()
-        _, ps_seconds = predict_ps(nbytes, self.world_size, self.link)
+        # on PS the layer can share a bucket, and its messages, with its neighbours: count only its
+        # bytes there; on SFB it is a sync job of its own and pays the latency too
+        ps_seconds = self.link.beta_s_per_byte * predict_ps(nbytes, self.world_size, self.link)[0]
         _, sfb_seconds = predict_sfb(self.k_max[name], layer.m, layer.n, layer.weight.element_size(),
                                      self.world_size, self.link, self.gemm_flops)
         return sfb_seconds < ps_seconds

@@ -16,7 +16,9 @@ average over all ranks (BSP). Invariants:
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import sys
 import time
 import warnings
 import weakref
@@ -30,6 +32,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .coordinator import Plan
+from .core import native_status
 from .engine import CommStats, Engine
 from .env import option
 from .link import LinkModel, default_link, probe_gemm_flops, probe_link
@@ -41,9 +44,20 @@ from .trace import Recorder, TraceConfig
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 DEFAULT_FUSION_BYTES = 4 * 1024 * 1024
 DEFAULT_NUM_CHANNELS = 2
+ENGINES = ("native", "python")
+_announced = False
 
 #: module -> the PoseidonDDP that wraps it now (weak on both sides)
 _WRAPPED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop every wrapper's threads while the interpreter is whole, not during its teardown."""
+    for ref in list(_WRAPPED.values()):
+        wrapper = ref()
+        if wrapper is not None:
+            wrapper.close()
 
 
 @dataclass(frozen=True)
@@ -59,8 +73,11 @@ class Options:
     overrides: tuple[tuple[str, str], ...]
     link: LinkModel | None
     trace: TraceConfig | None
+    engine: str
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.num_channels < 1 or self.timeout <= 0 or self.chunk_bytes <= 0 or self.fusion_bytes < 0:
             raise ValueError(f"invalid options: num_channels={self.num_channels}, timeout={self.timeout}, "
                              f"chunk_bytes={self.chunk_bytes}, fusion_bytes={self.fusion_bytes}")
@@ -89,13 +106,15 @@ class PoseidonDDP(nn.Module, Joinable):
         link: the network's alpha-beta model for the cost model (default: probed at start-up, or
             ``POSEIDON_BANDWIDTH_GBPS`` / ``POSEIDON_LATENCY_US``).
         trace_dir, trace_skip, trace_iters: switch the tracer on (see ``poseidon_torch.trace``).
+        engine: ``"native"`` (default, or ``POSEIDON_ENGINE``): the C++ core for CPU tensors where it
+            is built, else the Python one; ``"python"``: the Python reference core.
     """
 
     def __init__(self, module: nn.Module, *, chunk_bytes: int | None = None, fusion_bytes: int | None = None,
                  num_channels: int | None = None, timeout: float = 300.0, broadcast_buffers: bool = True,
                  process_group: Any = None, hybrid: bool = True, overrides: dict[str, str] | None = None,
                  link: LinkModel | None = None, trace_dir: str | None = None, trace_skip: int | None = None,
-                 trace_iters: int | None = None) -> None:
+                 trace_iters: int | None = None, engine: str | None = None) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
         if not dist.is_initialized():
@@ -107,7 +126,8 @@ class PoseidonDDP(nn.Module, Joinable):
             num_channels=option(num_channels, "NUM_CHANNELS", int, DEFAULT_NUM_CHANNELS),
             timeout=timeout, broadcast_buffers=broadcast_buffers, hybrid=hybrid,
             overrides=tuple(sorted((overrides or {}).items())), link=link,
-            trace=TraceConfig.resolve(trace_dir, trace_skip, trace_iters))
+            trace=TraceConfig.resolve(trace_dir, trace_skip, trace_iters),
+            engine=option(engine, "ENGINE", str, "native"))
         self._group = process_group or dist.group.WORLD
         self._group_ranks = dist.get_process_group_ranks(self._group)
         if dist.get_rank() not in self._group_ranks:
@@ -133,13 +153,28 @@ class PoseidonDDP(nn.Module, Joinable):
         self._staged = device.type == "cuda" and self._backend == "gloo"
         broadcast_from(list(self.module.parameters()) + list(self.module.buffers()), self._groups.data,
                        self._staged, 0)
+        self._has_buffers = any(True for _ in self.module.buffers())
         self.recorder = Recorder(options.trace, self.rank, self.world_size, self._groups.control.all_gather_objects)
         link, gemm = self._cost_inputs(device)
+        native = options.engine == "native" and device.type == "cpu" and not native_status()
         self._engine = Engine(self.module, groups=self._groups, chunk_bytes=options.chunk_bytes,
                               fusion_bytes=options.fusion_bytes, timeout=options.timeout, staged=self._staged,
                               recorder=self.recorder, hybrid=options.hybrid, link=link, gemm_flops=gemm,
-                              overrides=dict(options.overrides))
+                              overrides=dict(options.overrides), native=native)
+        self._announce(device)
         _WRAPPED[self.module] = weakref.ref(self)
+
+    def _announce(self, device: torch.device) -> None:
+        """Say once per process, on rank 0, which core runs the hot path."""
+        global _announced
+        if _announced or self.rank != 0:
+            return
+        _announced = True
+        kind = self._engine.core.kind
+        why = ""
+        if kind == "python" and self.options.engine == "native":
+            why = f" ({native_status() or f'the native core runs CPU tensors only, these are on {device}'})"
+        print(f"poseidon-torch: {kind} core{why}", file=sys.stderr, flush=True)
 
     def _take_over_module(self) -> None:
         previous = _WRAPPED.get(self.module)
@@ -236,8 +271,7 @@ class PoseidonDDP(nn.Module, Joinable):
             self._sync_buffers(joined=False)
 
     def _syncs_buffers(self) -> bool:
-        return self.options.broadcast_buffers and self.module.training and self.world_size > 1 and \
-            any(True for _ in self.module.buffers())
+        return self.options.broadcast_buffers and self.module.training and self.world_size > 1 and self._has_buffers
 
     def _sync_buffers(self, joined: bool) -> None:
         """Broadcast the buffers from rank 0, or with join() from the highest rank still training."""

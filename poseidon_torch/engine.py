@@ -1,6 +1,7 @@
 """Wait-free backpropagation: hooks -> ready -> channel -> ``path.sync(bucket)`` -> barrier.
 
-The per-iteration state machine lives here, in one place:
+The engine owns the per-iteration state machine, in one place; the *core* (``core.py``, Python or
+native) owns what happens per parameter and per bucket inside a pass.
 - a *synced forward* is the wrapper's forward with grad enabled, outside ``no_sync``. It joins the
   current *round* (the synced forwards since the last synced backward; a new round begins at the first
   synced forward after one) and hangs a gradient hook on its outputs: the decision travels with the
@@ -11,8 +12,9 @@ The per-iteration state machine lives here, in one place:
   not yet backpropagated. A pass that is not synced is local: what it accumulates is marked dirty and
   is synced by the next synced pass (the no_sync session);
 - in a synced pass every bucket is synced exactly once: when all its gradients (or, for an FC layer on
-  SFB, its factors) are ready, else when the pass ends. The pass ends with the facts exchange and the
-  BSP barrier, queued on the autograd engine, so ``backward()`` returns only when every sync is done;
+  SFB, its factors) are ready, else when the pass ends. At its end, queued on the autograd engine, the
+  pass waits for every job (BSP barrier), then exchanges the pass's facts (see the coordinator), so
+  ``backward()`` returns only when every sync is done;
 - a pass that never reached its end (an exception in backward) is found open by the next forward,
   which finishes it as *aborted*: every remaining bucket still runs its collectives, so all ranks stay
   in step, but nothing is written back, and a peer that did finish its backward raises a
@@ -24,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Generator, Hashable, Sequence
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -32,16 +34,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .barrier import BSPBarrier, SyncError
+from .barrier import SyncError
 from .bucket import Bucket, JobCost, Layer, build_buckets, find_layers, group_layers, readiness_order
 from .coordinator import PS, SFB, Coordinator, PassFacts
+from .core import NativeCore, PythonCore, raise_outcome
 from .kvstore import PSPath, ps_messages
 from .link import LinkModel, theil_sen
-from .pools import ChannelGroups, Groups, StreamPool, SyncChannel, assign_round_robin
+from .pools import Groups, StreamPool
 from .sfb import FCLayer, SFBPath, fc_layers
 from .trace import Recorder
 
-FACTS = "facts"
 #: Before the first backward, neighbouring layers are fused up to this size (the buckets are then
 #: rebuilt from the measured order and timings).
 INITIAL_FUSION_BYTES = 256 * 1024
@@ -84,11 +86,7 @@ class Pass:
     shadow: bool = False
     aborted: bool = False
     began_ns: int = field(default_factory=time.monotonic_ns)
-    last_ready_ns: int = 0
-    order: list[int] = field(default_factory=list)     #: parameter positions in readiness order
-    order_ns: list[int] = field(default_factory=list)
-    local_facts: torch.Tensor | None = None
-    gathered: torch.Tensor | None = None
+    contexts: list[SyncContext] = field(default_factory=list)
 
 
 def drive(phases: Generator[str, None, object]) -> object:
@@ -101,52 +99,50 @@ def drive(phases: Generator[str, None, object]) -> object:
 
 
 class Engine:
-    """Buckets, their readiness, the channels that sync them and the barrier that ends a pass."""
+    """The state machine of passes over a core, the paths that sync buckets, and the bucket plan."""
 
     def __init__(self, module: nn.Module, *, groups: Groups, chunk_bytes: int, fusion_bytes: int,
                  timeout: float, staged: bool, recorder: Recorder, hybrid: bool, link: LinkModel,
-                 gemm_flops: float, overrides: dict[str, str] | None) -> None:
+                 gemm_flops: float, overrides: dict[str, str] | None, native: bool) -> None:
         self.rank, self.world_size = groups.control.rank, groups.control.size
         self.timeout, self.staged, self.recorder = timeout, staged, recorder
-        self.fusion_bytes = fusion_bytes
-        self.link = link
+        self.fusion_bytes, self.link = fusion_bytes, link
         self._control = groups.control
+        self._channels = groups.channels
         self._tls = threading.local()
         self._lock = threading.Lock()
         self.layers = find_layers(module)
-        self._position = {id(p): i for i, p in enumerate(p for layer in self.layers for _, p in layer.params)}
+        self.params = [p for layer in self.layers for _, p in layer.params]
+        device = self.params[0].device if self.params else torch.device("cpu")
         self.fc: dict[str, FCLayer] = {}
         if hybrid and self.world_size > 1:
             self.fc = fc_layers(self.layers, module, self.in_forward, self.in_synced_forward)
         self.coordinator = Coordinator(self.fc, self.world_size, link, gemm_flops, overrides)
         self.coordinator.check_overrides([layer.name for layer in self.layers])
-        for layer in self.fc.values():
-            layer.on_factors = self._on_factors
-        self.stats = CommStats()
-        self.barrier = BSPBarrier(self._describe)
         self._ps = PSPath(self.rank, self.world_size, chunk_bytes)
-        device = self.layers[0].params[0][1].device if self.layers else torch.device("cpu")
         #: the sync of a bucket, per path name: ``sync(bucket, groups, ctx)`` yields its phases
         self.paths = {PS: self._ps, SFB: SFBPath(self._ps, self.world_size, torch.device("cpu") if staged else device)}
-        self._streams = StreamPool(device, len(groups.channels)) if device.type == "cuda" else None
-        self.channels = [SyncChannel(i, channel, self._run_job, self.barrier.fail)
-                         for i, channel in enumerate(groups.channels)]
-        self._lanes = [f"channel-{c.index}" for c in self.channels]
+        self._streams = StreamPool(device, len(self._channels)) if device.type == "cuda" else None
+        self._lanes = [f"channel-{i}" for i in range(len(self._channels))]
+        make = NativeCore if native and device.type == "cpu" else PythonCore
+        self.core = make(self.params, self._channels, self._run_job, self._on_idle, record_order=self.rank == 0)
+        for layer in self.fc.values():
+            layer.on_factors = self._on_factors
+            layer.engine_hooks = self.core.python_hooks_per_param
         self._round: Round | None = None
         self._latest_forward_synced = False
         self._armed: dict[int, Round] = {}  # graph task -> round, for synced backwards now running
         self._backward_start_ns = 0  # when the last synced backward reached the outputs
         self._pass: Pass | None = None
-        self._contexts: dict[int, SyncContext] = {}
         self._learned = False
-        self._never_used = {id(p) for layer in self.layers for _, p in layer.params}  #: by any rank, so far
+        self._never_used = {id(p) for p in self.params}  #: by any rank, so far
+        self.stats = CommStats()
+        self.failure: SyncError | None = None
         self.closed = False
         self.buckets: list[Bucket] = []
         groups = group_layers(list(reversed(self.layers)), min(fusion_bytes, INITIAL_FUSION_BYTES),
                               self.coordinator.wanted_solo())
         self._install(build_buckets(groups, staged, self._fc_of))
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_accumulated)
-                       for layer in self.layers for _, p in layer.params]
 
     # ---- buckets -------------------------------------------------------------------------------
 
@@ -154,7 +150,8 @@ class Engine:
         return self.fc.get(layer.name)
 
     def _install(self, buckets: list[Bucket]) -> None:
-        """Make ``buckets`` current: slots, PS schedules, channel schedules (between passes only)."""
+        """Make ``buckets`` current: PS schedules, the core's slots and channel schedules (between
+        passes only). Dirty flags carry over."""
         old = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
         for bucket in buckets:
             for j, p in enumerate(bucket.params):
@@ -166,16 +163,8 @@ class Engine:
         self._fc_bucket = {b.fc.name: b for b in buckets if b.fc is not None}
         self.coordinator.solo = set(self._fc_bucket)
         self._ps.prepare(buckets)
+        self.core.install(buckets, self._ps)
         self._profile_names = {(b.index, path): f"poseidon.sync.{path}.{b.name}" for b in buckets for path in (PS, SFB)}
-        schedules = assign_round_robin(list(range(len(buckets))), len(self.channels))
-        schedules[0].append(FACTS)
-        self._channel_of = {}
-        for channel, keys in zip(self.channels, schedules):
-            channel.set_schedule(keys)
-            self._channel_of.update((key, channel) for key in keys)
-
-    def _describe(self, key: Hashable) -> str:
-        return "the end-of-pass facts exchange" if key == FACTS else f"bucket {self.buckets[key].name!r}"
 
     # ---- the training thread: forward ----------------------------------------------------------------
 
@@ -191,9 +180,8 @@ class Engine:
             raise RuntimeError("PoseidonDDP's forward ran inside a backward pass (activation checkpointing around "
                                "the whole wrapper?); checkpoint blocks of the inner module instead")
         self.finish_aborted_pass()
-        if self.barrier.failure is not None:
-            raise SyncError(f"PoseidonDDP cannot continue after a failed sync: {self.barrier.failure}") \
-                from self.barrier.failure
+        if self.failure is not None:
+            raise SyncError(f"PoseidonDDP cannot continue after a failed sync: {self.failure}") from self.failure
         if torch.is_grad_enabled():
             self._latest_forward_synced = synced
         if synced and self._round is None:
@@ -201,6 +189,7 @@ class Engine:
             for name, layer in self.fc.items():
                 layer.begin_round(self.coordinator.commits(name))
             self.recorder.start_iteration()
+        self._update_ask()
         self._tls.depth = getattr(self._tls, "depth", 0) + 1
         self._tls.synced = synced
 
@@ -219,6 +208,11 @@ class Engine:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
 
+    def _update_ask(self) -> None:
+        """The core asks before treating an accumulation outside a pass as local exactly when a synced
+        pass may be starting (lock held or single-threaded)."""
+        self.core.set_ask(bool(self._armed) or (self._latest_forward_synced and self._round is not None))
+
     # ---- autograd side: events ---------------------------------------------------------------------
 
     def _armed_by(self, round_: Round | None) -> None:
@@ -228,22 +222,17 @@ class Engine:
                 return
             self._armed[task] = round_
             self._backward_start_ns = time.monotonic_ns()
+            self._update_ask()
         torch.autograd.Variable._execution_engine.queue_callback(partial(self._task_ended, task))
 
-    def _on_accumulated(self, param: nn.Parameter) -> None:
-        task = torch._C._current_graph_task_id()
+    def _on_idle(self, param: int) -> None:
+        """Parameter ``param`` accumulated while no pass was open, in ask mode (core's call)."""
         with self._lock:
-            bucket, j = self._slot[id(param)]
-            p = self._pass_for(task)
-            if p is None:
-                bucket.dirty[j] = True
-                return
-            self._note_ready(p, param)
-            ready = bucket.arrive(j)
-            if ready:
-                bucket.submitted = True
-        if ready:
-            self._submit(bucket, p)
+            opened = self._pass_for(torch._C._current_graph_task_id()) is not None
+        if opened:
+            self.core.arrive_param(param)
+        else:
+            self.core.set_dirty(param)
 
     def _on_factors(self, layer: FCLayer, witness: torch.Tensor) -> None:
         """Every call of a detached FC layer that this backward reached has its output gradient."""
@@ -253,16 +242,10 @@ class Engine:
             bucket = self._fc_bucket.get(layer.name)
             if p is None or bucket is None or witness is not layer.witness:
                 return
-            for acc, param in zip(layer.accumulators, layer.params):
-                j = bucket.position[id(param)]
-                if not bucket.seen[j] and torch._C._will_engine_execute_node(acc):
-                    bucket.pending.add(j)  # W or b is also used outside the captured calls: wait for it
-                self._note_ready(p, param)
-            ready = bucket.arrive("factors")
-            if ready:
-                bucket.submitted = True
-        if ready:
-            self._submit(bucket, p)
+        # W or b also used outside the captured calls in this backward: wait for them too
+        more = [bucket.position[id(param)] for acc, param in zip(layer.accumulators, layer.params)
+                if torch._C._will_engine_execute_node(acc)]
+        self.core.arrive_factors(bucket.index, more)
 
     def _pass_for(self, task: int) -> Pass | None:
         """The synced pass an accumulation in graph task ``task`` belongs to (opened if need be), or
@@ -278,22 +261,21 @@ class Engine:
 
     def _open(self, round_: Round | None, task: int, queue_end: bool, shadow: bool = False) -> Pass:
         p = Pass(round_, task, shadow=shadow)
-        p.last_ready_ns = self._backward_start_ns or p.began_ns
-        self._backward_start_ns = 0
-        for bucket in self.buckets:
-            layer = bucket.fc
-            committed = layer is not None and layer.witness is not None
-            bucket.begin_pass({"factors"} if committed else set(range(len(bucket.params))))
-        self.barrier.expect([*range(len(self.buckets)), FACTS])
+        p.contexts = [self._context(b, p) for b in self.buckets]
+        committed = [b.fc is not None and b.fc.witness is not None for b in self.buckets]
+        # the core may run plain PS jobs itself: the engine's own PS path (unless a test swapped it),
+        # not a joined rank's shadow jobs
+        native_ps = [ctx.path == PS and self.paths[PS] is self._ps and not shadow for ctx in p.contexts]
+        self.core.begin_pass(committed, native_ps, self.recorder.active)
         self._pass = p
         if queue_end:
             torch.autograd.Variable._execution_engine.queue_callback(partial(self._task_ended, task))
         return p
 
-    def _note_ready(self, p: Pass, param: nn.Parameter) -> None:
-        if self.rank == 0:
-            p.order.append(self._position[id(param)])
-            p.order_ns.append(time.monotonic_ns() - p.began_ns)
+    def _context(self, bucket: Bucket, p: Pass) -> SyncContext:
+        path = self.coordinator.path_of(bucket)
+        k_pad = self.coordinator.k_pad(bucket) if path == SFB else 0
+        return SyncContext(path, p.task, p.aborted, p.shadow, k_pad)
 
     def _task_ended(self, task: int) -> None:
         """End of an autograd graph task whose backward was synced, or that opened a pass."""
@@ -303,53 +285,51 @@ class Engine:
         if p is not None and p.task == task:
             self._finish(p)
 
-    # ---- the pass: submit, finish ---------------------------------------------------------------
-
-    def _submit(self, bucket: Bucket, p: Pass) -> None:
-        if bucket.ready_event is not None:
-            bucket.ready_event.record()
-        if self.recorder.active:
-            now = time.monotonic_ns()
-            self.recorder.add("backward", bucket.name, "compute", p.last_ready_ns, now)
-            p.last_ready_ns = now
-        path = self.coordinator.path_of(bucket)
-        k_pad = self.coordinator.k_pad(bucket) if path == SFB else 0
-        self._contexts[bucket.index] = SyncContext(path, p.task, p.aborted, p.shadow, k_pad)
-        self._channel_of[bucket.index].submit(bucket.index)
+    # ---- the pass: finish ----------------------------------------------------------------------
 
     def _finish(self, p: Pass) -> None:
-        """Submit what is not yet (parameters some rank did not use), the facts, and wait."""
-        with self._lock:
-            rest = [b for b in self.buckets if not b.submitted]
-            for bucket in rest:
-                bucket.submitted = True
-        for bucket in rest:
-            self._submit(bucket, p)
-        self._channel_of[FACTS].submit(FACTS)
+        """Submit what is not yet (parameters some rank did not use), wait for every job, exchange
+        the facts, then close the pass."""
+        self.core.finish(p.aborted)
+        status = self.core.wait(self.timeout)
         try:
-            self.barrier.wait(self.timeout)
-        finally:
-            if self.barrier.failure is not None:
-                with self._lock:
-                    self._pass = None
-        self._close(p)
+            raise_outcome(*status)
+            facts = self._exchange_facts(p)
+        except SyncError as exc:
+            self.failure = exc
+            with self._lock:
+                self._pass = None
+            raise
+        self._close(p, facts)
 
-    def _close(self, p: Pass) -> None:
-        """After the barrier: device ordering, late gradients, the next plan, learning, stats."""
+    def _exchange_facts(self, p: Pass) -> PassFacts:
+        mine = self.coordinator.facts(p.aborted, [self.core.late(b.index) for b in self.buckets])
+        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
+        try:
+            self._control.all_gather(everyone, mine)
+        except RuntimeError as exc:
+            raise SyncError(f"the end-of-pass facts exchange failed: {exc}") from exc
+        self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
+        return self.coordinator.observe(everyone.view(self.world_size, -1), len(self.buckets))
+
+    def _close(self, p: Pass, facts: PassFacts) -> None:
+        """After the barrier: device ordering, late gradients, learning, stats, tracing."""
         if self._streams is not None:
             for bucket in self.buckets:
                 torch.cuda.current_stream().wait_event(bucket.done_event)
-        facts = self.coordinator.observe(p.gathered, len(self.buckets))
         late = [b for b, is_late in zip(self.buckets, facts.late) if is_late]
         for bucket in late:  # a gradient arrived after its bucket's sync: average what .grad holds now
-            drive(self._ps.sync(bucket, self.channels[0].groups, SyncContext(PS, p.task, p.aborted, p.shadow)))
+            drive(self._ps.sync(bucket, self._channels[0], SyncContext(PS, p.task, p.aborted, p.shadow)))
         self._update_stats(p, late)
+        if self.recorder.active:
+            self._record_pass(p)
         if not facts.aborted:
-            self._learn_if_needed(p)
+            self._learn_if_needed()
         with self._lock:
             self._pass = None
             if self._round is p.round:
                 self._round = None
+            self._update_ask()
         self.recorder.end_iteration()
         if facts.aborted and not p.aborted:
             raise SyncError("a peer's backward was aborted (an exception on that rank) in this step: no gradient "
@@ -375,24 +355,20 @@ class Engine:
 
     # ---- sync jobs (channel threads) --------------------------------------------------------------
 
-    def _run_job(self, key: Hashable, groups: ChannelGroups, ready_ns: int) -> None:
-        if key == FACTS:
-            self._exchange_facts()
-        else:
-            self._sync(self.buckets[key], groups, ready_ns)
-        self.barrier.arrive(key)
-
-    def _sync(self, bucket: Bucket, groups: ChannelGroups, ready_ns: int) -> None:
-        ctx = self._contexts[bucket.index]
-        path = self.paths[ctx.path]
-        channel = self._channel_of[bucket.index].index
+    def _run_job(self, index: int) -> None:
+        """The job of bucket ``index`` when the core does not run it itself."""
+        bucket = self.buckets[index]
+        ctx = self._pass.contexts[index]
+        if self.core.aborted(index) and not ctx.aborted:
+            ctx = SyncContext(ctx.path, ctx.task, True, ctx.shadow, ctx.k_pad)
+        channel = index % len(self._channels)
         start = time.monotonic()
-        with torch.profiler.record_function(self._profile_names[bucket.index, ctx.path]), \
+        with torch.profiler.record_function(self._profile_names[index, ctx.path]), \
                 self._device_stream(bucket, channel) as stream:
-            phases = path.sync(bucket, groups, ctx)
+            phases = self.paths[ctx.path].sync(bucket, self._channels[channel], ctx)
             if self.recorder.active:
-                self.recorder.run_job(phases, bucket.name, self._lanes[channel], ready_ns, ctx.path,
-                                      lambda: bucket.bytes_sent)
+                self.recorder.run_job(phases, bucket.name, self._lanes[channel], self.core.submit_ns(index),
+                                      ctx.path, lambda: bucket.bytes_sent)
             else:
                 drive(phases)
             if stream is not None:
@@ -409,22 +385,12 @@ class Engine:
         with torch.cuda.stream(stream):
             yield stream
 
-    def _exchange_facts(self) -> None:
-        """On channel 0, once every bucket of the pass has synced (their jobs may raise sticky flags);
-        the training thread does not use ``control`` meanwhile (it waits in the barrier)."""
-        p = self._pass
-        self.barrier.wait(self.timeout, but=FACTS)
-        mine = p.local_facts = self.coordinator.facts(p.aborted, [b.late for b in self.buckets])
-        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
-        self._control.all_gather(everyone, mine)
-        p.gathered = everyone.view(self.world_size, -1)
-
     # ---- after the pass -----------------------------------------------------------------------------
 
     def _update_stats(self, p: Pass, late: list[Bucket]) -> None:
-        by_path = {PS: 0, SFB: 0, FACTS: (self.world_size - 1) * p.local_facts.numel() * 8}
-        for bucket in self.buckets:
-            by_path[self._contexts[bucket.index].path] += bucket.bytes_sent
+        by_path = {PS: 0, SFB: 0, "facts": self._facts_bytes}
+        for bucket, ctx in zip(self.buckets, p.contexts):
+            by_path[ctx.path] += bucket.bytes_sent
         for bucket in late:
             by_path[PS] += self._ps.bytes_sent(bucket)
         total = sum(by_path.values())
@@ -434,10 +400,24 @@ class Engine:
         stats.iterations += 1
         stats.jobs_last_iteration = len(self.buckets) + len(late)
         stats.bytes_by_bucket = {b.name: b.bytes_sent for b in self.buckets}
-        stats.outcome_by_bucket = {b.name: b.outcome for b in self.buckets}
         stats.bytes_by_path = by_path
+        stats.outcome_by_bucket = {b.name: b.outcome for b in self.buckets}
 
-    def _learn_if_needed(self, p: Pass) -> None:
+    def _record_pass(self, p: Pass) -> None:
+        """The compute lane's backward spans (each bucket's share, up to its submission) and the spans
+        of the jobs the core ran itself."""
+        last = self._backward_start_ns or p.began_ns
+        for bucket in sorted(self.buckets, key=lambda b: self.core.submit_ns(b.index)):
+            submitted = self.core.submit_ns(bucket.index)
+            self.recorder.add("backward", bucket.name, "compute", last, max(last, submitted))
+            last = max(last, submitted)
+        for index, kind, start, end in self.core.native_spans():
+            bucket = self.buckets[index]
+            args = {"path": PS, "bytes": bucket.bytes_sent} if kind == "sync" else {"path": PS}
+            self.recorder.add(kind, bucket.name, self._lanes[index % len(self._channels)], start, end, **args)
+        self._backward_start_ns = 0
+
+    def _learn_if_needed(self) -> None:
         """Rebuild the buckets from the readiness order of this pass (rank 0's, the same everywhere):
         once, and again only when a parameter no rank had used before gets a gradient."""
         grew = False
@@ -448,7 +428,7 @@ class Engine:
                 grew = True
         if self._learned and not grew:
             return
-        mine = (p.order, p.order_ns, self._job_cost()) if self.rank == 0 else None
+        mine = (self.core.order, self.core.order_ns, self._job_cost()) if self.rank == 0 else None
         order, order_ns, cost = self._control.broadcast_object(mine, src=0)
         layers, ready_s = readiness_order(self.layers, order, [t / 1e9 for t in order_ns])
         groups = group_layers(layers, self.fusion_bytes, self.coordinator.wanted_solo(), ready_s, cost)
@@ -473,12 +453,9 @@ class Engine:
         if self.closed:
             return
         self.closed = True
-        for hook in self._hooks:
-            hook.remove()
+        self.core.close()
         for layer in self.fc.values():
             layer.remove()
-        for channel in self.channels:
-            channel.stop()
 
 
 class _Arm:

@@ -7,7 +7,8 @@ equal chunks, so every shard carries an equal share of every sync. All ranks com
 
 One sync of a bucket, on the channel's process groups, with P ranks:
 - push: every rank sends each chunk it does not own to the chunk's owner (point-to-point);
-- aggregate: the owner adds exactly P - 1 pushes to its own part, in rank order, and divides by P
+- aggregate: the owner adds its own part and exactly P - 1 pushes in rank order (rank 0's, then rank
+  1's, ..., whoever owns the chunk, so the bits do not depend on the chunk plan) and divides by P
   (in fp32 for half-precision buckets, so the sum cannot overflow);
 - pull: the owner sends the averaged chunk to the P - 1 other ranks.
 Each phase runs in P - 1 staggered rounds (round i: send to rank + i, receive from rank - i), so no link
@@ -83,6 +84,8 @@ class Schedule:
 
     push: list[list[Message]] = field(default_factory=list)  # per staggered round
     pull: list[list[Message]] = field(default_factory=list)
+    #: per owned chunk: its piece of the flat buffer, and every rank's part in rank order (the piece
+    #: itself at this rank's place, receive buffers elsewhere)
     aggregate: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
     bytes_sent: int = 0
 
@@ -102,6 +105,9 @@ class PSPath:
         plan = plan_chunks([b.flat.numel() for b in buckets], [b.flat.element_size() for b in buckets],
                            self.world_size, self.chunk_bytes)
         self._schedules = {id(b): self._schedule(b.flat, chunks) for b, chunks in zip(buckets, plan)}
+
+    def schedule_of(self, bucket: Bucket) -> Schedule:
+        return self._schedules[id(bucket)]
 
     def bytes_sent(self, bucket: Bucket) -> int:
         return self._schedules[id(bucket)].bytes_sent
@@ -152,8 +158,9 @@ class PSPath:
             schedule.pull.append(pull)
         for c in chunks:
             if c.owner == rank:
-                contributions = [inbox[(c, peer)] for peer in range(size) if peer != rank]
-                schedule.aggregate.append((flat[c.start:c.stop], contributions))
+                own = flat[c.start:c.stop]
+                parts = [own if peer == rank else inbox[(c, peer)] for peer in range(size)]
+                schedule.aggregate.append((own, parts))
         schedule.bytes_sent = sum(t.numel() * t.element_size() for round_ in schedule.push + schedule.pull
                                   for is_send, t, _, _ in round_ if is_send)
         return schedule
@@ -172,19 +179,25 @@ def _run(messages: list[Message], groups: ChannelGroups) -> None:
         groups.up._end_coalescing(device).wait()
         return
     works = [(groups.send if is_send else groups.recv)(t, peer, tag) for is_send, t, peer, tag in messages]
-    for work in works:
-        work.wait()
+    for work, (is_send, _, peer, _) in zip(works, messages):
+        try:
+            work.wait()
+        except RuntimeError as exc:  # name the peer: a dead rank shows up here
+            raise RuntimeError(f"{'sending to' if is_send else 'receiving from'} rank {peer}: {exc}") from exc
 
 
-def _aggregate_into(own: torch.Tensor, contributions: list[torch.Tensor], world_size: int) -> None:
-    """Add the P - 1 pushed contributions into ``own`` in rank order (deterministic), then average;
-    half-precision chunks are summed in fp32."""
-    if own.element_size() >= 4:
-        for contribution in contributions:
-            own += contribution
-        own.div_(world_size)
+def _aggregate_into(own: torch.Tensor, parts: list[torch.Tensor], world_size: int) -> None:
+    """Sum every rank's part in rank order into ``own`` (deterministic, whoever owns the chunk), then
+    average; half-precision chunks are summed in fp32."""
+    if own.element_size() < 4:
+        total = parts[0].float()
+        for part in parts[1:]:
+            total += part.float()
+        own.copy_(total.div_(world_size))
         return
-    total = own.float()
-    for contribution in contributions:
-        total += contribution.float()
-    own.copy_(total.div_(world_size))
+    total = parts[0]  # rank 0's part: own, or a receive buffer this sync may overwrite
+    for part in parts[1:]:
+        total += part
+    if total is not own:
+        own.copy_(total)
+    own.div_(world_size)

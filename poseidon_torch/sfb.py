@@ -191,10 +191,6 @@ STICKY_NAMES = {CREATE_GRAPH: "create_graph backward", UNCOVERED: "gradient from
                 HOOKED: "user hooks on its parameters", CHECKPOINTED: "activation checkpointing",
                 ACCUMULATED: "gradient accumulation under no_sync"}
 
-#: The engine registers one post-accumulate-grad hook on every parameter (its readiness).
-ENGINE_POST_ACCUMULATE_HOOKS = 1
-
-
 class EngineHook:
     """A module hook bound to the engine. Copies of the module (``copy.deepcopy``, pickling) get an
     inert hook instead, so an EMA copy of the inner module is a plain module."""
@@ -250,6 +246,7 @@ class FCLayer:
         self.k_round = 0     #: rows of this round's calls inside the wrapper's synced forwards
         self.sticky = 0      #: facts that keep the layer off SFB, see CREATE_GRAPH and friends
         self.on_factors: Callable[[FCLayer, Tensor], None] | None = None
+        self.engine_hooks = 0  #: post-accumulate-grad hooks the engine's core keeps on each parameter
         self._in_forward, self._in_synced_forward = in_forward, in_synced_forward
         self._uses: list[weakref.ref[_Use]] = []
         self._witness: Tensor | None = None
@@ -322,7 +319,7 @@ class FCLayer:
             self.sticky |= CREATE_GRAPH
 
     def _hooked(self) -> bool:
-        return any(p._backward_hooks or len(p._post_accumulate_grad_hooks or ()) > ENGINE_POST_ACCUMULATE_HOOKS
+        return any(p._backward_hooks or len(p._post_accumulate_grad_hooks or ()) > self.engine_hooks
                    for p in self.params)
 
     def _swap_in(self) -> None:

@@ -41,11 +41,19 @@ def _serve(rank: int, world_size: int, port: int, jobs, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     while (job := jobs.get()) is not None:
-        fn, args = job
+        fn, args, env = job
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
         try:
             results.put(RankOutcome(rank, True, fn(rank, world_size, *args)))
         except BaseException:
             results.put(RankOutcome(rank, False, traceback.format_exc()))
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 class Cluster:
@@ -60,10 +68,12 @@ class Cluster:
         for p in self._procs:
             p.start()
 
-    def run_outcomes(self, fn, *args, timeout: float = 120.0) -> dict[int, RankOutcome]:
-        """Run ``fn`` on every rank; outcomes of the ranks that answered before the deadline or death."""
+    def run_outcomes(self, fn, *args, timeout: float = 120.0, env: dict[str, str] | None = None
+                     ) -> dict[int, RankOutcome]:
+        """Run ``fn`` on every rank (with ``env`` set in its environment for the call); outcomes of the
+        ranks that answered before the deadline or death."""
         for q in self._jobs:
-            q.put((fn, args))
+            q.put((fn, args, dict(env or {})))
         outcomes: dict[int, RankOutcome] = {}
         deadline = time.monotonic() + timeout
         while len(outcomes) < self.world_size and time.monotonic() < deadline:
@@ -79,8 +89,8 @@ class Cluster:
         silent = [r for r in range(self.world_size) if r not in outcomes]
         return all(not self._procs[r].is_alive() for r in silent)
 
-    def run(self, fn, *args, timeout: float = 120.0) -> list:
-        outcomes = self.run_outcomes(fn, *args, timeout=timeout)
+    def run(self, fn, *args, timeout: float = 120.0, env: dict[str, str] | None = None) -> list:
+        outcomes = self.run_outcomes(fn, *args, timeout=timeout, env=env)
         for rank in range(self.world_size):
             outcome = outcomes.get(rank)
             if outcome is None:

@@ -193,7 +193,7 @@ def no_grad_forward_before_backward(rank: int, world_size: int, hybrid: bool) ->
 # ---- item 3: no_sync accumulation with a branch used only in an earlier micro-batch --------------------
 
 def no_sync_branch_used_early(rank: int, world_size: int, force: str | None) -> dict:
-    options = sfb_options("side") if force == "SFB" else {"hybrid": False}
+    options = sfb_options("fc1", "side") if force == "SFB" else {"hybrid": False}
     model = wrap(MLP(), **options)
 
     def step(m, module, i):
@@ -287,7 +287,7 @@ def wrap_twice(rank: int, world_size: int) -> dict:
 # ---- item 6: SFB with gradients accumulating across steps keeps the replicas bit-identical ---------------
 
 def sfb_accumulating_grads(rank: int, world_size: int) -> dict:
-    model = wrap(MLP(), **sfb_options("fc1", "head"))
+    model = wrap(MLP(), **sfb_options("fc1", "side", "head"))
     opt = torch.optim.SGD(model.module.parameters(), lr=0.05)
     for step in range(6):
         x, y = data(step, rank)

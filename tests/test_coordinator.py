@@ -70,9 +70,11 @@ def facts(c: Coordinator, per_rank: list[dict[str, tuple[int, int]]], aborted=()
 
 
 def k_where_sfb_stops_winning(m: int, n: int, world_size: int) -> int:
+    """The smallest K at which SFB's time (latency, bytes, rebuild) is no longer below what the layer's
+    bytes cost on PS (where it may share a bucket's latency with its neighbours)."""
+    ps_bytes = predict_ps((m * n + m) * 4, world_size, GIGABIT)[0]
     k = 1
-    while predict_sfb(k, m, n, 4, world_size, GIGABIT, GEMM_FLOPS)[1] < \
-            predict_ps((m * n + m + 3) * 4, world_size, GIGABIT)[1]:
+    while predict_sfb(k, m, n, 4, world_size, GIGABIT, GEMM_FLOPS)[1] < ps_bytes * GIGABIT.beta_s_per_byte:
         k += 1
     return k
 

@@ -76,3 +76,12 @@ def test_state_dict_behaves_as_ddp(cluster):
     for r in cluster.run(workers.state_dict_roundtrip):
         assert r["ours"] == r["ddp"]
         assert r["restored"] and r["module_is_model"]
+
+
+def test_averages_do_not_depend_on_which_shard_owns_an_element(cluster):
+    """Owners sum every rank's part in rank order, so the chunk plan (and buckets learned from
+    timings) cannot change a single bit."""
+    spec = ModelSpec(widths=(40, 24))
+    for states in cluster.run(workers.train_chunkings, spec, (64, 4096, 2 * 1024 * 1024)):
+        for name, value in states[0].items():
+            assert all(torch.equal(other[name], value) for other in states[1:]), name

@@ -35,8 +35,13 @@ def assert_paths(results: list[dict], expected: dict[str, list[str]]) -> None:
         assert got == per_step, f"{layer}: {got}"
 
 
-def test_caught_exception_in_backward_does_not_leak_into_next_steps(cluster):
-    assert_exact(cluster.run(patterns.caught_exception_in_backward, timeout=60))
+#: the Python core is the reference; the native one (the default where it is built) runs the rest
+CORES = [pytest.param({"POSEIDON_ENGINE": "python"}, id="python-core"), pytest.param({}, id="default-core")]
+
+
+@pytest.mark.parametrize("env", CORES)
+def test_caught_exception_in_backward_does_not_leak_into_next_steps(cluster, env):
+    assert_exact(cluster.run(patterns.caught_exception_in_backward, timeout=60, env=env))
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
@@ -44,9 +49,10 @@ def test_no_grad_forward_between_forward_and_backward(cluster, hybrid):
     assert_exact(cluster.run(patterns.no_grad_forward_before_backward, hybrid, timeout=60))
 
 
+@pytest.mark.parametrize("env", CORES)
 @pytest.mark.parametrize("force", ["PS", "SFB"])
-def test_no_sync_keeps_gradients_of_branches_used_early(cluster, force):
-    results = cluster.run(patterns.no_sync_branch_used_early, force, timeout=60)
+def test_no_sync_keeps_gradients_of_branches_used_early(cluster, force, env):
+    results = cluster.run(patterns.no_sync_branch_used_early, force, timeout=60, env=env)
     assert_exact(results)
     if force == "SFB":  # accumulated gradients are more than the factors: PS, then PS for good
         assert_paths(results, {"fc1": ["PS", "SFB->PS", "PS"], "side": ["PS", "SFB->PS", "PS"]})
@@ -103,9 +109,10 @@ def test_parameters_of_several_dtypes(cluster):
     assert_exact(cluster.run(patterns.mixed_dtypes, timeout=60), tol=1e-2)
 
 
+@pytest.mark.parametrize("env", CORES)
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_activation_checkpointing(cluster, reentrant):
-    results = cluster.run(patterns.activation_checkpointing, reentrant, timeout=60)
+def test_activation_checkpointing(cluster, reentrant, env):
+    results = cluster.run(patterns.activation_checkpointing, reentrant, timeout=60, env=env)
     assert_exact(results, tol=5e-6)
     # the layers inside the checkpointed block stay on PS; the one outside takes SFB
     assert_paths(results, {"fc1": SFB_ON, "block.0": PS_ON, "block.2": PS_ON})
@@ -127,8 +134,9 @@ def test_forward_on_one_rank_only_issues_no_collective(cluster):
     assert_exact(results, tol=5e-6)
 
 
-def test_join_handles_uneven_inputs_like_ddp(cluster):
-    ours = cluster.run(patterns.uneven_inputs_join, "poseidon", timeout=60)
+@pytest.mark.parametrize("env", CORES)
+def test_join_handles_uneven_inputs_like_ddp(cluster, env):
+    ours = cluster.run(patterns.uneven_inputs_join, "poseidon", timeout=60, env=env)
     theirs = cluster.run(patterns.uneven_inputs_join, "ddp", timeout=60)
     for rank in range(cluster.world_size):
         for name, value in theirs[rank]["params"].items():

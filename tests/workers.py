@@ -474,3 +474,24 @@ def learned_buckets(rank: int, world_size: int) -> dict:
            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
     wrapped.close()
     return out
+
+
+def train_engines(rank: int, world_size: int, spec: ModelSpec, steps: int, size: int, accumulate: int,
+                  options: dict) -> dict:
+    """The same training with the Python core and with the native core; both final states."""
+    return {engine: train(rank, world_size, spec, "poseidon", steps, size, accumulate,
+                          options=dict(options, engine=engine))["state"] for engine in ("python", "native")}
+
+
+def core_kind(rank: int, world_size: int) -> str:
+    wrapped = PoseidonDDP(build(ModelSpec(), seed=0), timeout=30)
+    kind = wrapped.engine.core.kind
+    wrapped.close()
+    return kind
+
+
+def train_chunkings(rank: int, world_size: int, spec: ModelSpec, chunks: tuple[int, ...]) -> list[dict]:
+    """The same training on the PS path with different chunk sizes (different owners per element)."""
+    return [train(rank, world_size, spec, "poseidon", 3, 3, options={"hybrid": False, "chunk_bytes": c,
+                                                                       "fusion_bytes": 0})["state"]
+            for c in chunks]

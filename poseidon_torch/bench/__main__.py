@@ -57,8 +57,8 @@ from typing import Callable
 
 from poseidon_torch.bench.netns import HOST_IFACE, EmulatedCluster, NetnsUnavailable, parse_delay, parse_rate, \
     signals_deferred
-from poseidon_torch.bench.worker import MODES, POSEIDON_MODES
-from poseidon_torch.bench.workloads import WORKLOADS
+from poseidon_torch.bench.worker import DEFAULT_MODES, MODES, POSEIDON_MODES
+from poseidon_torch.bench.workloads import MAIN_WORKLOADS, WORKLOADS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_GRACE_S = 60.0
@@ -99,7 +99,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     parser.add_argument("--tiny", action="store_true", help="shrunken models (smoke tests)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each rank may run")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help=f"comma-separated, compute-only and torch-ddp included (of {', '.join(MODES)})")
     args = parser.parse_args(argv)
+    args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+    unknown = set(args.modes) - set(MODES)
+    if unknown or not {"compute-only", "torch-ddp"} <= set(args.modes):
+        parser.error(f"--modes needs compute-only and torch-ddp, and only modes of {MODES}")
     try:
         args.bandwidth_bps = parse_rate(args.bandwidth)
         args.latency = parse_delay(args.latency) if args.latency else None
@@ -309,20 +315,21 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def table(report: dict) -> str:
-    header = (f"{'workload':<12} {'mode':<16} {'iter ms':>9} {'samples/s':>10} {'vs DDP':>7} {'MB/iter/host':>12} "
-              f"{'source':<10} {'bound ms':>9} {'x bound':>8} {'overlap':>8}")
+    header = (f"{'workload':<12} {'mode':<18} {'iter ms':>9} {'samples/s':>10} {'vs DDP':>7} {'MB/iter/host':>12} "
+              f"{'source':<10} {'bound ms':>9} {'x bound':>8} {'overlap':>8} {'CPU s/iter':>10}")
     lines = [header, "-" * len(header)]
     for workload, entry in report["workloads"].items():
         bound = entry.get("lower_bound_s")
         for mode, r in entry["modes"].items():
             if "error" in r:
-                lines.append(f"{workload:<12} {mode:<16} FAILED: {r['error']}")
+                lines.append(f"{workload:<12} {mode:<18} FAILED: {r['error']}")
                 continue
             lines.append(
-                f"{workload:<12} {mode:<16} {r['median_iter_s'] * 1e3:>9.1f} {r['samples_per_s']:>10.1f} "
+                f"{workload:<12} {mode:<18} {r['median_iter_s'] * 1e3:>9.1f} {r['samples_per_s']:>10.1f} "
                 f"{_fmt(r['ratio_to_ddp'], '.2f'):>7} {r['bytes_per_iter_per_host'] / 1e6:>12.3f} "
                 f"{r['bytes_source']:<10} {_fmt(None if bound is None else bound * 1e3, '.1f'):>9} "
-                f"{_fmt(r['ratio_to_lower_bound'], '.2f'):>8} {_fmt(r['overlap'], '.1%'):>8}")
+                f"{_fmt(r['ratio_to_lower_bound'], '.2f'):>8} {_fmt(r['overlap'], '.1%'):>8} "
+                f"{_fmt(r.get('cpu_s_per_iter'), '.3f'):>10}")
     return "\n".join(lines)
 
 
@@ -336,10 +343,11 @@ def plot(report: dict, path: Path) -> None:
     workloads = list(report["workloads"])
     fig = Figure(figsize=(max(6, 3 * len(workloads)), 7), layout="constrained")
     speed_ax, bytes_ax = fig.subplots(2, 1)
-    width = 0.8 / len(MODES)
-    for i, mode in enumerate(MODES):
+    modes = list(report["workloads"][workloads[0]]["modes"])
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
         results = [report["workloads"][w]["modes"][mode] for w in workloads]
-        xs = [j + (i - (len(MODES) - 1) / 2) * width for j in range(len(workloads))]
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(workloads))]
         speed_ax.bar(xs, [r.get("samples_per_s", 0.0) for r in results], width, label=mode)
         bytes_ax.bar(xs, [r.get("bytes_per_iter_per_host", 0.0) / 1e6 for r in results], width, label=mode)
     cfg = report["config"]
@@ -371,13 +379,13 @@ def config(args: argparse.Namespace, placement: Placement, workloads: list[str])
 
 
 def run_all(args: argparse.Namespace, placement: Placement) -> dict:
-    workloads = sorted(WORKLOADS) if args.workload == "all" else [args.workload]
+    workloads = list(MAIN_WORKLOADS) if args.workload == "all" else [args.workload]
     report = {"config": config(args, placement, workloads), "workloads": {}}
     for warning in placement.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     for workload in workloads:
         entry = {"modes": {}}
-        for mode in MODES:
+        for mode in args.modes:
             print(f"[{workload}] {mode} ...", file=sys.stderr, flush=True)
             entry["modes"][mode] = run_mode(args, placement, workload, mode)
             if "error" in entry["modes"][mode]:

@@ -13,7 +13,9 @@ Invariants:
 - No dropout, so an iteration's compute does not depend on RNG state.
 
 Sizes (full): ``fc_heavy`` ~34 M parameters of which ~99 % in three FC layers; ``resnet`` ~2.8 M, all but
-~3 k in convolutions and BatchNorm; ``transformer`` ~2.6 M (vocab 2048, d_model 256, 2 layers, seq 64, batch 16).
+~3 k in convolutions and BatchNorm; ``transformer`` ~2.6 M (vocab 2048, d_model 256, 2 layers, seq 64, batch 16);
+``mlp50`` / ``mlp200``: 50 / 200 blocks of Linear(64, 64) + LayerNorm (210 k / 840 k parameters, 100 / 400
+parameter tensors), batch 32: little compute per layer, so the engine's per-layer cost shows.
 One training iteration with 1 torch thread on the 2-core development machine: fc_heavy ~0.25-0.3 s,
 resnet ~0.3-0.4 s, transformer ~0.15 s.
 """
@@ -169,11 +171,44 @@ def transformer(tiny: bool = False) -> Workload:
     return Workload(model, make_batch, loss_fn, batch)
 
 
+class DeepMLP(nn.Module):
+    """``depth`` blocks of Linear(width, width) + LayerNorm + ReLU, then a classifier: many small layers,
+    where per-layer engine overhead shows."""
+
+    def __init__(self, depth: int, width: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU())
+                                      for _ in range(depth)))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def _deep_mlp(depth: int) -> Callable[[bool], Workload]:
+    def build_deep_mlp(tiny: bool = False) -> Workload:
+        width, batch = (16, 8) if tiny else (64, 32)
+        model = _seeded(lambda: DeepMLP(depth, width))
+
+        def make_batch(rank: int, step: int) -> Batch:
+            g = _generator(rank, step)
+            return torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+        return Workload(model, make_batch, F.cross_entropy, batch)
+
+    build_deep_mlp.__doc__ = f"{depth} Linear+LayerNorm blocks of width 64 (engine overhead); batch 32."
+    return build_deep_mlp
+
+
 WORKLOADS: dict[str, Callable[[bool], Workload]] = {
     "fc_heavy": fc_heavy,
     "resnet": resnet,
     "transformer": transformer,
+    "mlp50": _deep_mlp(50),
+    "mlp200": _deep_mlp(200),
 }
+#: what ``--workload all`` runs: the paper-style workloads (the deep MLPs measure engine overhead)
+MAIN_WORKLOADS = ("fc_heavy", "resnet", "transformer")
 
 
 def build(name: str, tiny: bool = False) -> Workload:
