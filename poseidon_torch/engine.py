@@ -13,8 +13,8 @@ native) owns what happens per parameter and per bucket inside a pass.
   is synced by the next synced pass (the no_sync session);
 - in a synced pass every bucket is synced exactly once: when all its gradients (or, for an FC layer on
   SFB, its factors) are ready, else when the pass ends. At its end, queued on the autograd engine, the
-  pass waits for every job (BSP barrier), then exchanges the pass's facts (see the coordinator), so
-  ``backward()`` returns only when every sync is done;
+  pass exchanges its facts (see the coordinator) while the last jobs run and waits for every job (BSP
+  barrier), so ``backward()`` returns only when every sync is done;
 - a pass that never reached its end (an exception in backward) is found open by the next forward,
   which finishes it as *aborted*: every remaining bucket still runs its collectives, so all ranks stay
   in step, but nothing is written back, and a peer that did finish its backward raises a
@@ -260,6 +260,8 @@ class Engine:
         return None
 
     def _open(self, round_: Round | None, task: int, queue_end: bool, shadow: bool = False) -> Pass:
+        for layer, bucket in self._fc_buckets():
+            layer.note_pass_start(bucket)
         p = Pass(round_, task, shadow=shadow)
         p.contexts = [self._context(b, p) for b in self.buckets]
         committed = [b.fc is not None and b.fc.witness is not None for b in self.buckets]
@@ -287,30 +289,33 @@ class Engine:
 
     # ---- the pass: finish ----------------------------------------------------------------------
 
+    def _fc_buckets(self):
+        return ((bucket.fc, bucket) for bucket in self._fc_bucket.values())
+
     def _finish(self, p: Pass) -> None:
-        """Submit what is not yet (parameters some rank did not use), wait for every job, exchange
-        the facts, then close the pass."""
+        """Submit what is not yet (parameters some rank did not use); the pass's facts are final now
+        (no more gradients will arrive): exchange them while the last jobs run; wait for every job;
+        close the pass."""
         self.core.finish(p.aborted)
+        for layer, bucket in self._fc_buckets():
+            layer.note_pass_end(bucket)
+        mine = self.coordinator.facts(p.aborted, [self.core.late(b.index) for b in self.buckets])
+        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
+        exchange = self._control.start_all_gather(everyone, mine)
         status = self.core.wait(self.timeout)
         try:
             raise_outcome(*status)
-            facts = self._exchange_facts(p)
+            try:
+                exchange.wait()
+            except RuntimeError as exc:
+                raise SyncError(f"the end-of-pass facts exchange failed: {exc}") from exc
         except SyncError as exc:
             self.failure = exc
             with self._lock:
                 self._pass = None
             raise
-        self._close(p, facts)
-
-    def _exchange_facts(self, p: Pass) -> PassFacts:
-        mine = self.coordinator.facts(p.aborted, [self.core.late(b.index) for b in self.buckets])
-        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
-        try:
-            self._control.all_gather(everyone, mine)
-        except RuntimeError as exc:
-            raise SyncError(f"the end-of-pass facts exchange failed: {exc}") from exc
         self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
-        return self.coordinator.observe(everyone.view(self.world_size, -1), len(self.buckets))
+        self._close(p, self.coordinator.observe(everyone.view(self.world_size, -1), len(self.buckets)))
 
     def _close(self, p: Pass, facts: PassFacts) -> None:
         """After the barrier: device ordering, late gradients, learning, stats, tracing."""

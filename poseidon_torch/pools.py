@@ -66,7 +66,11 @@ class Collectives:
         self.backend, self.rank, self.size = backend, rank, size
 
     def all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
-        self.backend._allgather_base(out, mine).wait()
+        self.start_all_gather(out, mine).wait()
+
+    def start_all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> Any:
+        """An all-gather in flight; ``wait()`` on the returned work."""
+        return self.backend._allgather_base(out, mine)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         self.backend.allreduce([tensor], _options(dist.AllreduceOptions, reduceOp=op)).wait()

@@ -371,17 +371,18 @@ class FCLayer:
         """Whether this rank's local gradient of the layer in this pass is exactly its captured factors
         and ``.grad`` holds only the synced past: nothing else accumulated, no unsynced local gradient,
         no user hooks that the factors would bypass."""
-        if any(bucket.dirty):
+        return not (bucket.dirty.any() or bucket.seen.any() or self._hooked())
+
+    def note_pass_start(self, bucket: Bucket) -> None:
+        """A synced pass opens: gradient accumulated under no_sync makes SFB inexact, for good."""
+        if bucket.dirty.any():
             self.sticky |= ACCUMULATED
-            return False
-        if any(bucket.seen):
-            if self._witness is not None:
-                self.sticky |= UNCOVERED
-            return False
-        if self._hooked():
-            self.sticky |= HOOKED
-            return False
-        return True
+
+    def note_pass_end(self, bucket: Bucket) -> None:
+        """The backward is over: an accumulation into W or b while the calls were detached was a use
+        outside the captured calls, for good."""
+        if self._witness is not None and bucket.seen.any():
+            self.sticky |= UNCOVERED
 
     def materialize(self, bucket: Bucket, u: Tensor, v: Tensor) -> None:
         """Add the factors' local gradient to ``.grad``, as autograd would have (the user's tensor

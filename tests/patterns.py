@@ -196,10 +196,10 @@ def no_sync_branch_used_early(rank: int, world_size: int, force: str | None) -> 
     options = sfb_options("fc1", "side") if force == "SFB" else {"hybrid": False}
     model = wrap(MLP(), **options)
 
-    def step(m, module, i):
-        for micro in range(3):
+    def step(m, module, i):  # step 0 syncs at once, so the layers are on SFB when accumulation starts
+        for micro in range(3 if i else 1):
             x, y = data(i, rank, salt=micro)
-            ctx = m.no_sync() if (micro < 2 and isinstance(m, PoseidonDDP)) else _null()
+            ctx = m.no_sync() if (micro < 2 and i and isinstance(m, PoseidonDDP)) else _null()
             with ctx:
                 F.mse_loss(m(x, use_side=(micro == 0)), y).backward()
 

@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     parser.add_argument("--tiny", action="store_true", help="shrunken models (smoke tests)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each rank may run")
+    parser.add_argument("--no-trace", dest="trace", action="store_false",
+                        help="do not trace the PoseidonDDP modes (no overlap column; for short iterations, "
+                             "where recording the window would weigh on the times)")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
                         help=f"comma-separated, compute-only and torch-ddp included (of {', '.join(MODES)})")
     args = parser.parse_args(argv)
@@ -260,7 +263,7 @@ def run_mode(args: argparse.Namespace, placement: Placement, workload: str, mode
     world, threads = args.hosts, threads_per_rank(args.hosts)
     result = args.out / "runs" / f"{name}.json"
     result.unlink(missing_ok=True)
-    trace_dir = fresh_dir(args.out / "traces" / name) if mode in POSEIDON_MODES else None
+    trace_dir = fresh_dir(args.out / "traces" / name) if mode in POSEIDON_MODES and args.trace else None
     wire_iface = placement.wire_iface if synced else None
     argv = worker_argv(args, mode, workload, result, threads, wire_iface, trace_dir)
     port = free_port()
