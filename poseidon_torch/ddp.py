@@ -24,6 +24,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -76,6 +77,7 @@ class Options:
     engine: str
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.num_channels < 1 or self.timeout <= 0 or self.chunk_bytes <= 0 or self.fusion_bytes < 0:
@@ -83,6 +85,23 @@ class Options:
                              f"chunk_bytes={self.chunk_bytes}, fusion_bytes={self.fusion_bytes}")
         if self.overrides and not self.hybrid:
             raise ValueError("per-layer path overrides need hybrid=True")
+
+    def _check_types(self) -> None:
+        """Every rank checks its own options before any collective, so a bad value fails everywhere
+        at once instead of on one rank while the others wait."""
+        def expect(name: str, ok: bool, what: str) -> None:
+            if not ok:
+                raise TypeError(f"PoseidonDDP option {name} must be {what}, got {getattr(self, name)!r}")
+
+        for name in ("chunk_bytes", "fusion_bytes", "num_channels"):
+            value = getattr(self, name)
+            expect(name, isinstance(value, int) and not isinstance(value, bool), "an int")
+        expect("timeout", isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool),
+               "a number of seconds")
+        for name in ("broadcast_buffers", "hybrid"):
+            expect(name, isinstance(getattr(self, name), bool), "True or False")
+        expect("link", self.link is None or isinstance(self.link, LinkModel), "a LinkModel or None")
+        expect("engine", isinstance(self.engine, str), "a string")
 
 
 class PoseidonDDP(nn.Module, Joinable):
@@ -120,6 +139,8 @@ class PoseidonDDP(nn.Module, Joinable):
         if not dist.is_initialized():
             raise RuntimeError("PoseidonDDP needs torch.distributed.init_process_group() to be called first")
         self.module = module
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise TypeError(f"PoseidonDDP option overrides must be a dict {{layer: 'PS' or 'SFB'}}, got {overrides!r}")
         self.options = Options(
             chunk_bytes=option(chunk_bytes, "CHUNK_BYTES", int, DEFAULT_CHUNK_BYTES),
             fusion_bytes=option(fusion_bytes, "FUSION_BYTES", int, DEFAULT_FUSION_BYTES),
@@ -135,6 +156,7 @@ class PoseidonDDP(nn.Module, Joinable):
         self._backend = dist.get_backend(self._group)
         self._require_sync = True
         self._engine: Engine | None = None
+        self._closed = False
         self._start()
 
     # ---- the engine's lifetime -------------------------------------------------------------------
@@ -196,7 +218,9 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def close(self) -> None:
         """Stop the sync threads, remove every hook, release the process groups and finish writing a
-        trace (also done when the process exits)."""
+        trace (also done when the process exits). The wrapper then runs the module locally, as a
+        plain module, and never starts another engine."""
+        self._closed = True
         engine, self._engine = self._engine, None
         if engine is None:
             return
@@ -241,7 +265,7 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         synced = torch.is_grad_enabled() and self._require_sync
-        if synced and self._engine is None:
+        if synced and self._engine is None and not self._closed:
             self._start()  # an unbound copy (deepcopy, unpickled) that is trained
         engine = self._engine
         if engine is None:

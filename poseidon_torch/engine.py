@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 from .barrier import SyncError
 from .bucket import Bucket, JobCost, Layer, build_buckets, find_layers, group_layers, readiness_order
 from .coordinator import PS, SFB, Coordinator, PassFacts
+from .graph import hook_target
 from .core import NativeCore, PythonCore, raise_outcome
 from .kvstore import PSPath, ps_messages
 from .link import LinkModel, theil_sen
@@ -206,7 +207,7 @@ class Engine:
         tensors, _ = tree_flatten(output)
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(hook)
+                hook_target(t, same_elements=False).register_hook(hook)
 
     def _update_ask(self) -> None:
         """The core asks before treating an accumulation outside a pass as local exactly when a synced

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from .bucket import Bucket, Layer
+from .graph import hook_target
 from .kvstore import PSPath
 from .pools import ChannelGroups
 
@@ -187,9 +188,11 @@ UNCOVERED = 2      # W or b got gradient from outside the captured calls (penalt
 HOOKED = 4         # user hooks on W or b (tensor hooks, or post-accumulate hooks besides the engine's)
 CHECKPOINTED = 8   # a call ran under saved-tensor hooks (activation checkpointing, offloading)
 ACCUMULATED = 16   # its gradient accumulated locally (no_sync) before a synced backward
+GRAD_CALL = 32     # torch.autograd.grad (or backward(inputs=...)) asked for W or b through its calls
 STICKY_NAMES = {CREATE_GRAPH: "create_graph backward", UNCOVERED: "gradient from outside its calls",
                 HOOKED: "user hooks on its parameters", CHECKPOINTED: "activation checkpointing",
-                ACCUMULATED: "gradient accumulation under no_sync"}
+                ACCUMULATED: "gradient accumulation under no_sync",
+                GRAD_CALL: "torch.autograd.grad with respect to its parameters"}
 
 class EngineHook:
     """A module hook bound to the engine. Copies of the module (``copy.deepcopy``, pickling) get an
@@ -294,13 +297,16 @@ class FCLayer:
         self.k_round += x.numel() // self.n
         if not detached:
             if output.requires_grad:
-                output.register_hook(self._watch)
+                hook_target(output, same_elements=False).register_hook(self._watch)
             return None
         if self.bias is None:  # the witness keeps the call in the graph, whatever else is detached
             output = output + self._witness
+        target = hook_target(output, same_elements=True)
+        if target is None:  # a view whose base is not just the output: give the output its own storage
+            output = target = output.clone()
         use = _Use(x.detach())
         self._uses.append(weakref.ref(use))
-        output.register_hook(_UseRecorder(self, use))
+        target.register_hook(_UseRecorder(self, use))
         return output
 
     def _input_of(self, args: tuple, output: Tensor) -> Tensor:
@@ -315,8 +321,13 @@ class FCLayer:
         return x
 
     def _watch(self, grad: Tensor) -> None:
+        """The gradient hook on a call that was not detached: facts that would make a detached call
+        fail later (a create_graph backward, an autograd.grad asking for W or b). Once the calls are
+        detached, torch prunes an autograd.grad for W or b before it reaches them: nothing to watch."""
         if torch.is_grad_enabled():
             self.sticky |= CREATE_GRAPH
+        if any(_captured_by_autograd_grad(node) for node in self.accumulators):
+            self.sticky |= GRAD_CALL
 
     def _hooked(self) -> bool:
         return any(p._backward_hooks or len(p._post_accumulate_grad_hooks or ()) > self.engine_hooks
@@ -448,9 +459,11 @@ def fc_layers(layers: list[Layer], model: nn.Module, in_forward: Callable[[], bo
     eligible = {}
     for layer in layers:
         spec = fc_spec(layer.module)
-        if spec is None or not spec.weight_of(layer.module).requires_grad or layer.name.count("#"):
+        bias = _bias_of(layer.module, spec) if spec is not None else None
+        if (spec is None or not spec.weight_of(layer.module).requires_grad or layer.name.count("#")
+                or (bias is not None and not bias.requires_grad)):
             continue
-        own = {id(spec.weight_of(layer.module)), id(_bias_of(layer.module, spec))}
+        own = {id(spec.weight_of(layer.module)), id(bias)}
         if all(id(p) in own and owners[id(p)] == 1 for _, p in layer.params):
             eligible[layer.name] = FCLayer(layer.name, layer.module, spec, in_forward, in_synced_forward)
     return eligible
@@ -482,8 +495,10 @@ class SFBPath:
         sent = got.bytes_sent
         if any(h["aborted"] for h in got.headers) or not all(h["exact"] for h in got.headers):
             # someone's local gradient is more than its factors (or a backward was aborted): every
-            # rank sends its whole local gradient through the PS path instead, exact in every case
-            if not ctx.shadow:
+            # rank sends its whole local gradient through the PS path instead, exact in every case.
+            # An aborted backward of this rank is drained at the next forward, after the user may
+            # have zeroed .grad: its factors are dropped, as the rest of that backward is.
+            if not (ctx.shadow or ctx.aborted):
                 layer.materialize(bucket, u, v)
             layer.consume(ctx.task)
             synced = yield from self.ps.sync(bucket, groups, ctx)
@@ -496,7 +511,7 @@ class SFBPath:
             sent += got.bytes_sent
         bucket.bytes_sent = sent
         bucket.outcome = self.name
-        bucket.used_anywhere = [k_max > 0] * len(bucket.params)
+        bucket.used_anywhere.fill_(int(k_max > 0))
         layer.consume(ctx.task)
         if ctx.shadow or k_max == 0:  # no rank used the layer: its gradients stay untouched, as in DDP
             return k_max > 0
@@ -504,3 +519,13 @@ class SFBPath:
         grad_w, grad_b = rebuild_gradients(got.u, got.v, self.world_size, layer.spec)
         layer.add_average(grad_w.to(bucket.device), grad_b.to(bucket.device))
         return True
+
+
+def _captured_by_autograd_grad(node) -> bool:
+    """Whether the running backward is a ``torch.autograd.grad`` that asks for the gradient of the leaf
+    whose AccumulateGrad ``node`` is (torch refuses to answer for exactly those leaves)."""
+    try:
+        torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return True
+    return False

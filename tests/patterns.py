@@ -13,6 +13,7 @@ import copy
 import hashlib
 import pickle
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -39,8 +40,8 @@ class MLP(nn.Module):
         self.side = nn.Linear(hidden, hidden)
         self.head = nn.Linear(hidden, n_out)
 
-    def forward(self, x: torch.Tensor, use_side: bool = False) -> torch.Tensor:
-        h = torch.tanh(self.fc1(x))
+    def forward(self, x: torch.Tensor, use_side: bool = False, inplace: bool = False) -> torch.Tensor:
+        h = F.relu(self.fc1(x), inplace=True) if inplace else torch.tanh(self.fc1(x))
         if use_side:
             h = h + torch.tanh(self.side(h))
         return self.head(h)
@@ -143,8 +144,8 @@ def _raise(exc: BaseException):
 
 # ---- item 1: an exception in backward that every rank catches ---------------------------------------
 
-def caught_exception_in_backward(rank: int, world_size: int) -> dict:
-    model = wrap(MLP())
+def caught_exception_in_backward(rank: int, world_size: int, force: str) -> dict:
+    model = wrap(MLP(), **(sfb_options("fc1", "head") if force == "SFB" else {"hybrid": False}))
     results = []
     opt = torch.optim.SGD(model.module.parameters(), lr=0.05)
     for step in range(5):
@@ -248,6 +249,17 @@ def sfb_pattern(rank: int, world_size: int, pattern: str) -> dict:
             x2, y2 = data(i, rank, rows=2 + i % 3, salt=7)
             loss = F.mse_loss(m(x), y) + F.mse_loss(m(x2), y2)
             loss.backward()
+        elif pattern == "inplace_3d":  # F.linear on 3-D input returns a view; relu_ then modifies it
+            F.mse_loss(m(x.view(2, 2, -1), inplace=True), y.view(2, 2, -1)).backward()
+        elif pattern == "inplace_output":  # the model's output is a view, modified in place by the loss code
+            out = m(x.view(2, 2, -1))
+            F.mse_loss(out.mul_(2.0), y.view(2, 2, -1)).backward()
+        elif pattern in ("grad_call", "lazy_grad_call"):  # local gradients by autograd.grad, then a backward
+            out = m(x)
+            loss = F.mse_loss(out, y)
+            if pattern == "grad_call" or i == 2:
+                local_grads(m is module, loss, module)
+            loss.backward()
         elif pattern == "call_outside_forward":
             out = m(x)
             extra = module.head(torch.tanh(module.fc1(x * 0.5))).pow(2).mean()
@@ -255,13 +267,38 @@ def sfb_pattern(rank: int, world_size: int, pattern: str) -> dict:
         else:
             raise ValueError(pattern)
 
+    local: dict[bool, list] = {True: [], False: []}  # autograd.grad results: plain, wrapped
+
+    def local_grads(plain: bool, loss: torch.Tensor, module: nn.Module) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                got = torch.autograd.grad(loss, [module.fc1.weight, module.fc1.bias, module.head.weight],
+                                          retain_graph=True)
+            except RuntimeError as exc:
+                got = str(exc)
+        local[plain].append({"grads": got, "warnings": [str(w.message) for w in caught]})
+
     try:
         results = run_steps(model, 4, step, rank)
     except RuntimeError as exc:
         model.close()
         return {"steps": [], "error": str(exc)}
     model.close()
-    return {"steps": results, "error": None}
+    return {"steps": results, "error": None, "local": _compare_local(local)}
+
+
+def _compare_local(local: dict[bool, list]) -> list[dict]:
+    """Per autograd.grad call: its error (or None), warnings, and the largest difference from the plain
+    module's local gradients."""
+    out = []
+    for plain, ours in zip(local[True], local[False]):
+        if isinstance(ours["grads"], str):
+            out.append({"error": ours["grads"], "warnings": ours["warnings"], "diff": None})
+            continue
+        diff = max((a - b).abs().max().item() for a, b in zip(ours["grads"], plain["grads"]))
+        out.append({"error": None, "warnings": ours["warnings"], "diff": diff})
+    return out
 
 
 # ---- item 5: wrapping the same module twice --------------------------------------------------------------
@@ -460,16 +497,52 @@ def deepcopy_and_pickle(rank: int, world_size: int) -> dict:
     return {"steps": results, "copies_agree": same}
 
 
-def close_releases_hooks(rank: int, world_size: int) -> dict:
-    """After close() the module trains as a plain local module: gradients stay rank-local."""
+def close_releases_hooks(rank: int, world_size: int, through_wrapper: bool) -> dict:
+    """After close() the module trains as a plain local module, also when called through the closed
+    wrapper: gradients stay rank-local and no engine starts again."""
     module = MLP()
     model = wrap(module, hybrid=False)
     x, y = data(0, rank)
     F.mse_loss(model(x), y).backward()
     model.close()
     module.zero_grad()
-    F.mse_loss(module(x), y).backward()
+    with torch.no_grad():  # the ranks' parameters part ways: a new engine would broadcast rank 0's
+        module.fc1.weight.add_(rank)
+    F.mse_loss((model if through_wrapper else module)(x), y).backward()
     local = grads_of(module)
     plain = plain_copy(module)
     F.mse_loss(plain(x), y).backward()
-    return {"diff_from_local": compare(local, grads_of(plain))}
+    return {"diff_from_local": compare(local, grads_of(plain)), "engine": model.engine is not None,
+            "weight_sum": module.fc1.weight.sum().item()}
+
+
+class FrozenBiasMLP(MLP):
+    """fc1's bias frozen, its weight trained (fine-tuning recipes do this)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.fc1.bias.requires_grad_(False)
+
+
+def frozen_bias(rank: int, world_size: int) -> dict:
+    model = wrap(FrozenBiasMLP(), link=slow_link(), fusion_bytes=0)
+    results = run_steps(model, 3, simple_step(rank), rank)
+    model.close()
+    return {"steps": results}
+
+
+BAD_OPTIONS = [{"link": 5}, {"hybrid": "no"}, {"chunk_bytes": "64"}, {"num_channels": 1.5},
+               {"overrides": [("fc1", "SFB")]}, {"timeout": "10"}, {"fusion_bytes": True}]
+
+
+def bad_options(rank: int, world_size: int) -> dict:
+    """Each bad option fails at once on every rank (before any collective)."""
+    errors = []
+    for options in BAD_OPTIONS:
+        start = time.monotonic()
+        try:
+            PoseidonDDP(MLP(), **options)
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - what is raised is the result
+            errors.append({"type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start})
+    return {"errors": errors}

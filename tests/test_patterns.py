@@ -40,8 +40,10 @@ CORES = [pytest.param({"POSEIDON_ENGINE": "python"}, id="python-core"), pytest.p
 
 
 @pytest.mark.parametrize("env", CORES)
-def test_caught_exception_in_backward_does_not_leak_into_next_steps(cluster, env):
-    assert_exact(cluster.run(patterns.caught_exception_in_backward, timeout=60, env=env))
+@pytest.mark.parametrize("force", ["PS", "SFB"])
+def test_caught_exception_in_backward_does_not_leak_into_next_steps(cluster, force, env):
+    # with SFB the aborted step's layers are committed: they fall back to PS for that step, exactly
+    assert_exact(cluster.run(patterns.caught_exception_in_backward, force, timeout=60, env=env))
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
@@ -66,6 +68,10 @@ SFB_PATTERNS = {  # how each FC layer syncs, step by step: SFB where exact, PS w
     "weight_hook": {"fc1": PS_ON, "head": SFB_ON},
     "siamese": {"fc1": SFB_ON, "head": SFB_ON},
     "call_outside_forward": {"fc1": PS_ON, "head": PS_ON},
+    "inplace_3d": {"fc1": SFB_ON, "head": SFB_ON},  # relu_ on fc1's 3-D output (a view)
+    "inplace_output": {"fc1": SFB_ON, "head": SFB_ON},  # mul_ on the wrapper's 3-D output (a view)
+    "grad_call": {"fc1": PS_ON, "head": PS_ON},  # autograd.grad for W from the start: never SFB
+    "lazy_grad_call": {"fc1": SFB_ON, "head": SFB_ON},  # starts on SFB: that call fails, see below
 }
 
 
@@ -74,6 +80,30 @@ def test_sfb_layers_stay_exact_in_real_training_patterns(cluster, pattern):
     results = cluster.run(patterns.sfb_pattern, pattern, timeout=60)
     assert_exact(results, tol=5e-6)
     assert_paths(results, SFB_PATTERNS[pattern])
+
+
+def test_autograd_grad_gives_local_gradients_or_fails_on_every_rank(cluster):
+    """autograd.grad for the parameters returns the local gradients, as with DDP, when the loop asks
+    for them from the first step (the layers then never go to SFB). Asked first while layers are on
+    SFB (their weights are not in that step's graph), the call fails with torch's error on every rank
+    and training goes on exactly (a documented limitation: overrides={layer: "PS"})."""
+    for r in cluster.run(patterns.sfb_pattern, "grad_call", timeout=60):
+        assert all(call["error"] is None and call["diff"] <= 1e-6 for call in r["local"]), r["local"]
+    for r in cluster.run(patterns.sfb_pattern, "lazy_grad_call", timeout=60):
+        (call,) = r["local"]
+        assert "not have been used in the graph" in call["error"]
+
+
+def test_frozen_bias_trainable_weight(cluster):
+    assert_exact(cluster.run(patterns.frozen_bias, timeout=60))
+
+
+def test_bad_options_fail_at_once_on_every_rank(cluster):
+    for r in cluster.run(patterns.bad_options, timeout=60):
+        for options, error in zip(patterns.BAD_OPTIONS, r["errors"]):
+            assert error is not None and error["type"] == "TypeError", (options, error)
+            assert error["seconds"] < 5, (options, error)
+            assert next(iter(options)) in error["message"], (options, error)
 
 
 def test_gradient_penalty_through_a_committed_layer_fails_clearly_on_every_rank(cluster):
@@ -149,6 +179,9 @@ def test_deepcopy_and_pickle(cluster):
     assert all(r["copies_agree"] for r in results)
 
 
-def test_close_releases_hooks(cluster):
-    for r in cluster.run(patterns.close_releases_hooks, timeout=60):
-        assert r["diff_from_local"] == 0.0
+@pytest.mark.parametrize("through_wrapper", [False, True])
+def test_close_releases_hooks(cluster, through_wrapper):
+    results = cluster.run(patterns.close_releases_hooks, through_wrapper, timeout=60)
+    for r in results:
+        assert r["diff_from_local"] == 0.0 and not r["engine"]
+    assert len({r["weight_sum"] for r in results}) == cluster.world_size  # nobody took rank 0's weights
