@@ -55,7 +55,8 @@ def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - start)
-        if rank == 0 and step == 0 and getattr(wrapped, "plan", None) is not None:
+        # the plan once the buckets are learned from the first backward (what the rest of training runs)
+        if rank == 0 and step == 1 and getattr(wrapped, "plan", None) is not None:
             print(wrapped.plan, flush=True)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             rate = args.batch * world / times[-1]

@@ -66,6 +66,7 @@ class Coordinator:
         self.sticky = {name: 0 for name in self.fc}
         self.sfb: set[str] = set()   #: layers on SFB for the next pass
         self.solo: set[str] = set()  #: FC layers that have a bucket of their own
+        self.learned = False         #: the buckets are learned (fixed from now on)
         self.passes = 0              #: synced passes observed
         self._warned: set[str] = set()
 
@@ -78,6 +79,10 @@ class Coordinator:
             if path == SFB and name not in self.fc:
                 raise ValueError(f"cannot force SFB on layer {name!r}: it is not an FC layer of its own "
                                  "(see poseidon_torch.register_fc)")
+
+    def buckets_changed(self, solo: set[str], learned: bool) -> None:
+        """The engine installed new buckets: ``solo`` FC layers have one of their own."""
+        self.solo, self.learned = solo, learned
 
     def wanted_solo(self) -> set[str]:
         """FC layers that should get a bucket of their own: on SFB, or forced onto it."""
@@ -135,9 +140,12 @@ class Coordinator:
             return True
         layer = self.fc[name]
         nbytes = sum(p.numel() for p in layer.params) * layer.weight.element_size()
-        # on PS the layer can share a bucket, and its messages, with its neighbours: count only its
-        # bytes there; on SFB it is a sync job of its own and pays the latency too
-        ps_seconds = self.link.beta_s_per_byte * predict_ps(nbytes, self.world_size, self.link)[0]
+        # before the buckets are learned, a layer on PS may still join its neighbours' bucket and share
+        # their messages: count only its bytes; once they are learned (fixed), a layer alone in its
+        # bucket pays the latency on either path
+        ps_bytes, ps_seconds = predict_ps(nbytes, self.world_size, self.link)
+        if not self.learned:
+            ps_seconds = self.link.beta_s_per_byte * ps_bytes
         _, sfb_seconds = predict_sfb(self.k_max[name], layer.m, layer.n, layer.weight.element_size(),
                                      self.world_size, self.link, self.gemm_flops)
         return sfb_seconds < ps_seconds

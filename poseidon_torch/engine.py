@@ -162,7 +162,7 @@ class Engine:
         self.buckets = buckets
         self._slot = {id(p): (b, j) for b in buckets for j, p in enumerate(b.params)}
         self._fc_bucket = {b.fc.name: b for b in buckets if b.fc is not None}
-        self.coordinator.solo = set(self._fc_bucket)
+        self.coordinator.buckets_changed(set(self._fc_bucket), self._learned)
         self._ps.prepare(buckets)
         self.core.install(buckets, self._ps)
         self._profile_names = {(b.index, path): f"poseidon.sync.{path}.{b.name}" for b in buckets for path in (PS, SFB)}
@@ -438,8 +438,8 @@ class Engine:
         order, order_ns, cost = self._control.broadcast_object(mine, src=0)
         layers, ready_s = readiness_order(self.layers, order, [t / 1e9 for t in order_ns])
         groups = group_layers(layers, self.fusion_bytes, self.coordinator.wanted_solo(), ready_s, cost)
-        self._install(build_buckets(groups, self.staged, self._fc_of))
         self._learned = True
+        self._install(build_buckets(groups, self.staged, self._fc_of))
 
     def _job_cost(self) -> JobCost:
         """Seconds per sync job of a bucket of n bytes, fitted (Theil-Sen) to what this pass's jobs

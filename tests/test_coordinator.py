@@ -214,3 +214,18 @@ def test_link_model_seconds_and_text():
 def test_probe_gemm_flops_is_positive_and_cached():
     rate = probe_gemm_flops()
     assert rate > 0 and probe_gemm_flops("cpu") == rate
+
+
+def test_a_layer_alone_in_a_learned_bucket_is_charged_the_latency_on_ps():
+    """A small FC layer whose SFB messages cost less than its PS messages: before the buckets are
+    learned it may still share a bucket on PS (only its bytes count: PS); once the buckets are fixed and
+    it sits alone, PS pays the latency too, and SFB's fewer, smaller messages win."""
+    slow_start = LinkModel(2e-3, GIGABIT.beta_s_per_byte)  # 2 ms per message
+    fc = layers(("head", 10, 1024))
+    c = Coordinator(fc, 2, slow_start, GEMM_FLOPS)
+    c.buckets_changed({"head"}, learned=False)
+    c.observe(facts(c, [{"head": (32, 0)}] * 2), 0)
+    assert c.sfb == set()
+    c.buckets_changed({"head"}, learned=True)
+    c.observe(facts(c, [{"head": (32, 0)}] * 2), 0)
+    assert c.sfb == {"head"}
