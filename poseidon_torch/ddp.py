@@ -22,9 +22,9 @@ import sys
 import time
 import warnings
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Mapping
 from typing import Any
 
 import torch

@@ -37,8 +37,8 @@ from torch.utils._pytree import tree_flatten
 from .barrier import SyncError
 from .bucket import Bucket, JobCost, Layer, build_buckets, find_layers, group_layers, readiness_order
 from .coordinator import PS, SFB, Coordinator, PassFacts
-from .graph import hook_target
 from .core import NativeCore, PythonCore, raise_outcome
+from .graph import hook_target
 from .kvstore import PSPath, ps_messages
 from .link import LinkModel, theil_sen
 from .pools import Groups, StreamPool
