@@ -73,7 +73,9 @@ class Coordinator:
     def check_overrides(self, layer_names: Sequence[str]) -> None:
         for name, path in self.overrides.items():
             if name not in layer_names:
-                raise ValueError(f"override names unknown layer {name!r}; layers: {sorted(layer_names)}")
+                raise ValueError(f"override names {name!r}, which is not a layer: layers are the modules that own "
+                                 "trainable parameters (a parameter shared by several modules belongs to the first "
+                                 f"that registers it); layers: {sorted(layer_names)}")
             if path not in PATHS:
                 raise ValueError(f"override for layer {name!r} must be one of {PATHS}, got {path!r}")
             if path == SFB and name not in self.fc:
@@ -93,11 +95,14 @@ class Coordinator:
         """Whether the layer's calls in the next round are detached (it syncs through SFB)."""
         return name in self.sfb
 
-    def path_of(self, bucket: Bucket) -> str:
+    def path_of(self, bucket: Bucket, shadow: bool = False) -> str:
         """SFB for an FC layer on SFB whose round of forwards was committed to it (a retained graph
-        from before the plan changed goes through PS)."""
+        from before the plan changed goes through PS). A joined rank's shadow pass ran no forward: it
+        follows the plan, as the ranks that did commit their calls to it."""
         layer = bucket.fc
-        return SFB if layer is not None and layer.commit and layer.name in self.sfb else PS
+        if layer is None or layer.name not in self.sfb:
+            return PS
+        return SFB if shadow or layer.commit else PS
 
     def k_pad(self, bucket: Bucket) -> int:
         return self.k_max[bucket.fc.name]

@@ -276,7 +276,7 @@ class Engine:
         return p
 
     def _context(self, bucket: Bucket, p: Pass) -> SyncContext:
-        path = self.coordinator.path_of(bucket)
+        path = self.coordinator.path_of(bucket, p.shadow)
         k_pad = self.coordinator.k_pad(bucket) if path == SFB else 0
         return SyncContext(path, p.task, p.aborted, p.shadow, k_pad)
 

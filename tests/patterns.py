@@ -453,15 +453,19 @@ def forward_on_rank0_only(rank: int, world_size: int) -> dict:
     return {"steps": results, "seconds": time.monotonic() - start}
 
 
-def uneven_inputs_join(rank: int, world_size: int, wrapper: str) -> dict:
-    """Rank r has 3 + r batches; both wrappers train inside ``join()``; returns the final parameters."""
+def uneven_inputs_join(rank: int, world_size: int, wrapper: str, force: str = "PS") -> dict:
+    """Both wrappers train inside ``join()``; returns the final parameters. PS: rank r has 3 + r batches.
+    SFB (fc1 and head forced onto it): rank 0 has 1 batch, so it joins before the first pass on SFB
+    (every first pass is on PS), and the others 3 + r."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     module = MLP(seed=5)
-    model = wrap(module, hybrid=False) if wrapper == "poseidon" else DDP(module, find_unused_parameters=True)
+    options = sfb_options("fc1", "head") if force == "SFB" else {"hybrid": False}
+    model = wrap(module, **options) if wrapper == "poseidon" else DDP(module, find_unused_parameters=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    batches = 1 if force == "SFB" and rank == 0 else 3 + rank
     with model.join():
-        for step in range(3 + rank):
+        for step in range(batches):
             x, y = data(step, rank)
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()

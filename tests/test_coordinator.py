@@ -130,7 +130,7 @@ def test_late_buckets_are_reported_if_any_rank_saw_one():
 @pytest.mark.parametrize("overrides, message", [
     ({"conv": "SFB"}, "not an FC layer"),
     ({"fc": "allreduce"}, "must be one of"),
-    ({"nope": "PS"}, "unknown layer 'nope'"),
+    ({"nope": "PS"}, "'nope', which is not a layer"),
 ])
 def test_bad_overrides_raise(overrides, message):
     c = coordinator(2, overrides=overrides, fc=(8, 8))

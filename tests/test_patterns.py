@@ -165,9 +165,10 @@ def test_forward_on_one_rank_only_issues_no_collective(cluster):
 
 
 @pytest.mark.parametrize("env", CORES)
-def test_join_handles_uneven_inputs_like_ddp(cluster, env):
-    ours = cluster.run(patterns.uneven_inputs_join, "poseidon", timeout=60, env=env)
-    theirs = cluster.run(patterns.uneven_inputs_join, "ddp", timeout=60)
+@pytest.mark.parametrize("force", ["PS", "SFB"])
+def test_join_handles_uneven_inputs_like_ddp(cluster, force, env):
+    ours = cluster.run(patterns.uneven_inputs_join, "poseidon", force, timeout=60, env=env)
+    theirs = cluster.run(patterns.uneven_inputs_join, "ddp", force, timeout=60)
     for rank in range(cluster.world_size):
         for name, value in theirs[rank]["params"].items():
             torch.testing.assert_close(ours[rank]["params"][name], value, rtol=1e-5, atol=1e-6)
