@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -290,7 +290,7 @@ class Engine:
 
     # ---- the pass: finish ----------------------------------------------------------------------
 
-    def _fc_buckets(self):
+    def _fc_buckets(self) -> Iterator[tuple[FCLayer, Bucket]]:
         return ((bucket.fc, bucket) for bucket in self._fc_bucket.values())
 
     def _finish(self, p: Pass) -> None:
