@@ -250,9 +250,26 @@ class Core {
 
   std::tuple<int, std::string> wait(double timeout_s) {  // called without the GIL
     std::unique_lock<std::mutex> lock(mu_);
+    wait_until(lock, timeout_s, [this] { return remaining_ == 0; });
+    pass_open_ = false;
+    if (failed_) return {timed_out_ ? kTimedOut : kFailed, failure_};
+    return {kOk, ""};
+  }
+
+  // One bucket's job of the pass done (or the pass failed); the pass stays open. Without the GIL.
+  std::tuple<int, std::string> wait_bucket(int64_t index, double timeout_s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(buckets_.size()), "no bucket ", index);
+    wait_until(lock, timeout_s, [this, index] { return buckets_[index].done; });
+    if (failed_) return {timed_out_ ? kTimedOut : kFailed, failure_};
+    return {kOk, ""};
+  }
+
+  template <typename Done>
+  void wait_until(std::unique_lock<std::mutex>& lock, double timeout_s, Done done) {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-    done_cv_.wait_until(lock, deadline, [this] { return failed_ || remaining_ == 0; });
-    if (!failed_ && remaining_ > 0) {
+    done_cv_.wait_until(lock, deadline, [&] { return failed_ || done(); });
+    if (!failed_ && !done()) {
       failed_ = true;
       timed_out_ = true;
       std::ostringstream message;
@@ -265,9 +282,6 @@ class Core {
       failure_ = message.str();
       cv_.notify_all();
     }
-    pass_open_ = false;
-    if (failed_) return {timed_out_ ? kTimedOut : kFailed, failure_};
-    return {kOk, ""};
   }
 
   bool late(int64_t b) { std::lock_guard<std::mutex> lock(mu_); return buckets_.at(b).late; }
@@ -401,7 +415,8 @@ class Core {
           return;  // later collectives on this channel would be out of step with the peers
         }
         buckets_[index].done = true;
-        if (--remaining_ == 0) done_cv_.notify_all();
+        --remaining_;
+        done_cv_.notify_all();  // the barrier, or a wait for this one bucket
       }
     }
   }
@@ -566,6 +581,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_dirty", &Core::set_dirty)
       .def("finish", &Core::finish, released)
       .def("wait", &Core::wait, released)
+      .def("wait_bucket", &Core::wait_bucket, released)
       .def("late", &Core::late)
       .def("aborted", &Core::aborted)
       .def("submit_ns", &Core::submit_ns)

@@ -6,6 +6,7 @@ Module map (one per concept of the paper):
   the per-iteration state machine;
 - ``bucket``: buckets (the syncers) and how layers are grouped into them;
 - ``kvstore``: the sharded parameter-server path (``PSPath``);
+- ``server``: the shards' side of it: optimizer state and the update at the owner (``ServerOptimizer``);
 - ``sfb``: sufficient-factor broadcasting for fully connected layers (``SFBPath``), ``register_fc``;
 - ``coordinator``: the per-layer choice of path and its cost model; ``link``: the probes it uses;
 - ``barrier``: the BSP counter barrier;
@@ -20,7 +21,8 @@ from .ddp import PoseidonDDP
 from .engine import CommStats
 from .link import LinkModel
 from .replicas import ModelMismatchError
+from .server import ServerOptimizer
 from .sfb import register_fc
 
-__all__ = ["PoseidonDDP", "register_fc", "LinkModel", "Plan", "SyncError", "SyncTimeout",
+__all__ = ["PoseidonDDP", "ServerOptimizer", "register_fc", "LinkModel", "Plan", "SyncError", "SyncTimeout",
            "ModelMismatchError", "CommStats"]

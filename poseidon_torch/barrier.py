@@ -60,10 +60,11 @@ class BSPBarrier:
                 self._failure = error
             self._cond.notify_all()
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float, key: Hashable | None = None) -> None:
+        """Until every expected job arrived, or only job ``key`` when given."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._failure is None and self._missing:
+            while self._failure is None and (key in self._missing if key is not None else self._missing):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     names = sorted(self._describe(k) for k in self._missing)

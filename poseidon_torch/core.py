@@ -162,16 +162,23 @@ class PythonCore:
 
     def wait(self, timeout: float) -> tuple[int, str]:
         """The barrier; (OK, "") or (FAILED / TIMED_OUT, message). The pass is closed either way."""
-        try:
-            self.barrier.wait(timeout)
-            status = (OK, "")
-        except SyncTimeout as exc:
-            status = (TIMED_OUT, str(exc))
-        except SyncError as exc:
-            status = (FAILED, str(exc))
+        status = self._barrier_status(timeout)
         with self._lock:
             self._open = False
         return status
+
+    def wait_bucket(self, bucket: int, timeout: float) -> tuple[int, str]:
+        """Until the job of ``bucket`` is done (the pass stays open); as ``wait``."""
+        return self._barrier_status(timeout, bucket)
+
+    def _barrier_status(self, timeout: float, key: int | None = None) -> tuple[int, str]:
+        try:
+            self.barrier.wait(timeout, key)
+        except SyncTimeout as exc:
+            return TIMED_OUT, str(exc)
+        except SyncError as exc:
+            return FAILED, str(exc)
+        return OK, ""
 
     def late(self, bucket: int) -> bool:
         return self._ready[bucket].late
@@ -283,6 +290,9 @@ class NativeCore:
                 b.bytes_sent, b.sync_seconds, b.outcome = self._core.bytes_sent(b.index), \
                     self._core.sync_seconds(b.index), PSPath.name
         return status
+
+    def wait_bucket(self, bucket: int, timeout: float) -> tuple[int, str]:
+        return self._core.wait_bucket(bucket, timeout)
 
     def late(self, bucket: int) -> bool:
         return self._core.late(bucket)

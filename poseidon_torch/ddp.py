@@ -277,6 +277,8 @@ class PoseidonDDP(nn.Module, Joinable):
             output = self.module(*args, **kwargs)
         finally:
             engine.end_forward()
+        if engine.server is not None:  # the last step's values not read by this forward, and its close
+            engine.settle() if synced else engine.drain()
         if synced:
             engine.arm(output)
         if self.recorder.active:
@@ -306,6 +308,27 @@ class PoseidonDDP(nn.Module, Joinable):
             source = int(candidate)
         broadcast_from(list(self.module.buffers()), self._groups.data, self._staged, source)
 
+    def attach_server(self, optimizer: Any) -> None:
+        """Parameter-server mode (called by :class:`~poseidon_torch.ServerOptimizer`; collective)."""
+        if self._engine is None:
+            raise RuntimeError("ServerOptimizer needs a started PoseidonDDP (not closed, not an unbound copy)")
+        if self._join_config.enable:
+            raise RuntimeError("ServerOptimizer cannot be used inside join() (uneven inputs) yet")
+        self._engine.attach_server(optimizer)
+
+    def synchronize(self) -> None:
+        """In parameter-server mode: wait until every parameter holds the value of the last step (the
+        forward and ``ServerOptimizer.step()`` do it already; the parameters' ``state_dict`` too)."""
+        if self._engine is not None:
+            self._engine.settle()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``nn.Module.zero_grad``; in parameter-server mode it first waits for the last step's jobs,
+        which read ``.grad`` (``ServerOptimizer.zero_grad`` does not wait)."""
+        if self._engine is not None and self._engine.server is not None:
+            self._engine.drain()
+        super().zero_grad(set_to_none)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally in this context; the next synced backward syncs them."""
@@ -324,6 +347,8 @@ class PoseidonDDP(nn.Module, Joinable):
         every rank takes the model of the last rank to finish."""
         if not divide_by_initial_world_size:
             raise ValueError("PoseidonDDP.join supports divide_by_initial_world_size=True only")
+        if self._engine is not None and self._engine.server is not None:
+            raise RuntimeError("join() (uneven inputs) is not supported with a ServerOptimizer yet")
         return Join([self], enable, throw_on_early_termination)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:

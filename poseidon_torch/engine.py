@@ -42,6 +42,7 @@ from .graph import hook_target
 from .kvstore import PSPath, ps_messages
 from .link import LinkModel, theil_sen
 from .pools import Groups, StreamPool
+from .server import LocalUpdatePath, Server, ServerPath, apply_values, merge_exports
 from .sfb import FCLayer, SFBPath, fc_layers
 from .trace import Recorder
 
@@ -90,6 +91,17 @@ class Pass:
     contexts: list[SyncContext] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class Deferred:
+    """A synced pass whose backward returned while its server jobs still run (parameter-server mode):
+    the new values of bucket i are applied when ``applied[i]``; the pass closes when it settles."""
+
+    pass_: Pass
+    facts: PassFacts
+    applied: list[bool]
+    drained: bool = False
+
+
 def drive(phases: Generator[str, None, object]) -> object:
     """Run a sync job's phases to the end; its result."""
     while True:
@@ -112,6 +124,8 @@ class Engine:
         self._channels = groups.channels
         self._tls = threading.local()
         self._lock = threading.Lock()
+        self._module = module
+        self._server_hooks: list = []
         self.layers = find_layers(module)
         self.params = [p for layer in self.layers for _, p in layer.params]
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -135,8 +149,12 @@ class Engine:
         self._armed: dict[int, Round] = {}  # graph task -> round, for synced backwards now running
         self._backward_start_ns = 0  # when the last synced backward reached the outputs
         self._pass: Pass | None = None
+        self._jobs_pass: Pass | None = None  #: the pass whose jobs run (or ran last)
         self._learned = False
         self._never_used = {id(p) for p in self.params}  #: by any rank, so far
+        self.server: Server | None = None  #: the parameter-server shards, with a ServerOptimizer
+        self._deferred: Deferred | None = None
+        self._buckets_of_module: dict[int, list[int]] = {}
         self.stats = CommStats()
         self.failure: SyncError | None = None
         self.closed = False
@@ -159,12 +177,24 @@ class Engine:
                 if id(p) in old:
                     previous, i = old[id(p)]
                     bucket.dirty[j] = previous.dirty[i]
+        full_state = self._server_state() if self.server is not None else None
         self.buckets = buckets
         self._slot = {id(p): (b, j) for b in buckets for j, p in enumerate(b.params)}
         self._fc_bucket = {b.fc.name: b for b in buckets if b.fc is not None}
         self.coordinator.buckets_changed(set(self._fc_bucket), self._learned)
         self._ps.prepare(buckets)
         self.core.install(buckets, self._ps)
+        if self.server is not None:
+            self.server.install(buckets, self._ps, self.rank)
+            self.server.load(full_state)
+            self._buckets_of_module = {}
+            for layer in self.layers:
+                for _, param in layer.params:
+                    index = self._slot[id(param)][0].index
+                    for module in self._modules_of.get(id(param), ()):
+                        indices = self._buckets_of_module.setdefault(id(module), [])
+                        if index not in indices:
+                            indices.append(index)
         self._profile_names = {(b.index, path): f"poseidon.sync.{path}.{b.name}" for b in buckets for path in (PS, SFB)}
 
     # ---- the training thread: forward ----------------------------------------------------------------
@@ -217,6 +247,10 @@ class Engine:
     # ---- autograd side: events ---------------------------------------------------------------------
 
     def _armed_by(self, round_: Round | None) -> None:
+        if self._deferred is not None:
+            raise RuntimeError("PoseidonDDP with a ServerOptimizer: a second synced backward before the next forward "
+                               "(each synced backward is one optimizer step at the servers); accumulate with "
+                               "no_sync() or run one backward per forward")
         task = torch._C._current_graph_task_id()
         with self._lock:
             if task in self._armed or round_ is None:
@@ -268,9 +302,10 @@ class Engine:
         committed = [b.fc is not None and b.fc.witness is not None for b in self.buckets]
         # the core may run plain PS jobs itself: the engine's own PS path (unless a test swapped it),
         # not a joined rank's shadow jobs
-        native_ps = [ctx.path == PS and self.paths[PS] is self._ps and not shadow for ctx in p.contexts]
+        native_ps = [ctx.path == PS and self.paths[PS] is self._ps and not shadow and self.server is None
+                     for ctx in p.contexts]
         self.core.begin_pass(committed, native_ps, self.recorder.active)
-        self._pass = p
+        self._pass = self._jobs_pass = p
         if queue_end:
             torch.autograd.Variable._execution_engine.queue_callback(partial(self._task_ended, task))
         return p
@@ -296,27 +331,48 @@ class Engine:
     def _finish(self, p: Pass) -> None:
         """Submit what is not yet (parameters some rank did not use); the pass's facts are final now
         (no more gradients will arrive): exchange them while the last jobs run; wait for every job;
-        close the pass."""
+        close the pass. In parameter-server mode (buckets learned, nothing aborted or late) the jobs
+        go on after ``backward()`` returns: the pass is deferred (see :meth:`drain`)."""
         self.core.finish(p.aborted)
         for layer, bucket in self._fc_buckets():
             layer.note_pass_end(bucket)
         mine = self.coordinator.facts(p.aborted, [self.core.late(b.index) for b in self.buckets])
         everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
         exchange = self._control.start_all_gather(everyone, mine)
-        status = self.core.wait(self.timeout)
+        self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
+        may_defer = self.server is not None and self._learned and not p.aborted
+        if not may_defer:
+            self._guarded(p, self._wait_jobs)
+        self._guarded(p, partial(_wait_exchange, exchange))
+        facts = self.coordinator.observe(everyone.view(self.world_size, -1), len(self.buckets))
+        if may_defer and not facts.aborted and not any(facts.late):
+            self._deferred = Deferred(p, facts, [False] * len(self.buckets))
+            with self._lock:
+                self._pass = None
+                if self._round is p.round:
+                    self._round = None
+                self._update_ask()
+            return
+        if may_defer:
+            self._guarded(p, self._wait_jobs)
+        if self.server is not None and not facts.aborted:
+            for index in range(len(self.buckets)):
+                self._apply(index)
+        self._close(p, facts)
+
+    def _wait_jobs(self) -> None:
+        raise_outcome(*self.core.wait(self.timeout))
+
+    def _guarded(self, p: Pass, wait) -> None:
+        """Run ``wait``; a SyncError ends this engine (collectives may be half issued) and the pass."""
         try:
-            raise_outcome(*status)
-            try:
-                exchange.wait()
-            except RuntimeError as exc:
-                raise SyncError(f"the end-of-pass facts exchange failed: {exc}") from exc
+            wait()
         except SyncError as exc:
             self.failure = exc
             with self._lock:
-                self._pass = None
+                if self._pass is p:
+                    self._pass = None
             raise
-        self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
-        self._close(p, self.coordinator.observe(everyone.view(self.world_size, -1), len(self.buckets)))
 
     def _close(self, p: Pass, facts: PassFacts) -> None:
         """After the barrier: device ordering, late gradients, learning, stats, tracing."""
@@ -324,6 +380,11 @@ class Engine:
             for bucket in self.buckets:
                 torch.cuda.current_stream().wait_event(bucket.done_event)
         late = [b for b, is_late in zip(self.buckets, facts.late) if is_late]
+        if late and self.server is not None:
+            self._close_pass(p)
+            raise SyncError(f"a gradient of {', '.join(repr(b.name) for b in late)} arrived after the servers applied "
+                            "that bucket's update (reentrant checkpointing or a hook that runs backward again?): "
+                            "the late part was not applied")
         for bucket in late:  # a gradient arrived after its bucket's sync: average what .grad holds now
             drive(self._ps.sync(bucket, self._channels[0], SyncContext(PS, p.task, p.aborted, p.shadow)))
         self._update_stats(p, late)
@@ -331,15 +392,99 @@ class Engine:
             self._record_pass(p)
         if not facts.aborted:
             self._learn_if_needed()
-        with self._lock:
-            self._pass = None
-            if self._round is p.round:
-                self._round = None
-            self._update_ask()
+        self._close_pass(p)
         self.recorder.end_iteration()
         if facts.aborted and not p.aborted:
             raise SyncError("a peer's backward was aborted (an exception on that rank) in this step: no gradient "
                             "was averaged, local gradients are kept unsynced; skip the step on every rank")
+
+    def _close_pass(self, p: Pass) -> None:
+        with self._lock:
+            if self._pass is p:
+                self._pass = None
+            if self._round is p.round:
+                self._round = None
+            self._update_ask()
+
+    # ---- parameter-server mode: deferred passes ------------------------------------------------------
+
+    def attach_server(self, facade) -> None:
+        """Switch to parameter-server mode with ``facade`` (a ServerOptimizer; collective, between
+        passes): chunks re-planned for the optimizer, shards built, per-layer waits hooked."""
+        if self.server is not None:
+            raise RuntimeError("this PoseidonDDP already has a ServerOptimizer")
+        self.settle()
+        self._ps.aligned = facade.aligned
+        self._ps.flags_to_owners = True
+        self.server = Server(facade, self.world_size)
+        self._server_path = ServerPath(self._ps, self.server)
+        self._local_update = {name: LocalUpdatePath(path, self.server) for name, path in self.paths.items()}
+        self._modules_of: dict[int, list[nn.Module]] = {}
+        for module in self._module.modules():
+            for param in module._parameters.values():
+                if param is not None and id(param) in self._slot:
+                    self._modules_of.setdefault(id(param), []).append(module)
+        self._install(self.buckets)
+        for module in {id(m): m for ms in self._modules_of.values() for m in ms}.values():
+            self._server_hooks.append(module.register_forward_pre_hook(self._before_layer, prepend=True))
+            self._server_hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
+
+    def _server_state(self) -> dict:
+        """The whole optimizer state, on every rank (collective)."""
+        exports = self._control.all_gather_objects(self.server.export())
+        return merge_exports(exports, self.server.facade._shapes)
+
+    def gather_objects(self, obj: object, to: int) -> list | None:
+        """Every rank's ``obj`` on rank ``to`` (collective), None elsewhere."""
+        gathered = self._control.all_gather_objects(obj)
+        return gathered if self.rank == to else None
+
+    def _before_layer(self, module: nn.Module, args: tuple) -> None:
+        """A layer's forward begins: its new parameter values first (forward pre-hook)."""
+        deferred = self._deferred
+        if deferred is None:
+            return
+        for index in self._buckets_of_module.get(id(module), ()):
+            if not deferred.applied[index]:
+                self._guarded(deferred.pass_, partial(self._wait_bucket, index))
+                self._apply(index)
+                deferred.applied[index] = True
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.drain()
+
+    def _wait_bucket(self, index: int) -> None:
+        raise_outcome(*self.core.wait_bucket(index, self.timeout))
+
+    def _apply(self, index: int) -> None:
+        """Bucket ``index``'s new parameter values into the parameters (its job is done)."""
+        bucket = self.buckets[index]
+        if self._streams is not None:
+            torch.cuda.current_stream().wait_event(bucket.done_event)
+        apply_values(bucket)
+
+    def deferred_pending(self) -> bool:
+        """A deferred pass's jobs may still run (and read ``.grad``)."""
+        return self._deferred is not None and not self._deferred.drained
+
+    def drain(self) -> None:
+        """Wait for every job of a deferred pass and apply every new value (local, no collective)."""
+        deferred = self._deferred
+        if deferred is None or deferred.drained:
+            return
+        self._guarded(deferred.pass_, self._wait_jobs)
+        for index, applied in enumerate(deferred.applied):
+            if not applied:
+                self._apply(index)
+        deferred.drained = True
+
+    def settle(self) -> None:
+        """Drain a deferred pass and close it (stats, tracing, learning: may be collective, so only at
+        points every rank reaches: the end of a synced forward, the optimizer's step)."""
+        self.drain()
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._close(deferred.pass_, deferred.facts)
 
     def finish_aborted_pass(self) -> None:
         """A pass still open at the next forward was aborted (its backward raised): finish it so every
@@ -364,14 +509,14 @@ class Engine:
     def _run_job(self, index: int) -> None:
         """The job of bucket ``index`` when the core does not run it itself."""
         bucket = self.buckets[index]
-        ctx = self._pass.contexts[index]
+        ctx = self._jobs_pass.contexts[index]  # a deferred pass's jobs run on after it is closed
         if self.core.aborted(index) and not ctx.aborted:
             ctx = SyncContext(ctx.path, ctx.task, True, ctx.shadow, ctx.k_pad)
         channel = index % len(self._channels)
         start = time.monotonic()
         with torch.profiler.record_function(self._profile_names[index, ctx.path]), \
                 self._device_stream(bucket, channel) as stream:
-            phases = self.paths[ctx.path].sync(bucket, self._channels[channel], ctx)
+            phases = self._path(bucket, ctx.path).sync(bucket, self._channels[channel], ctx)
             if self.recorder.active:
                 self.recorder.run_job(phases, bucket.name, self._lanes[channel], self.core.submit_ns(index),
                                       ctx.path, lambda: bucket.bytes_sent)
@@ -380,6 +525,13 @@ class Engine:
             if stream is not None:
                 bucket.done_event.record(stream)
         bucket.sync_seconds = time.monotonic() - start
+
+    def _path(self, bucket: Bucket, name: str):
+        """The path that syncs ``bucket`` this pass: the coordinator's choice, with the server's update
+        in parameter-server mode (at the owners on PS, on every rank for an FC bucket)."""
+        if self.server is None:
+            return self.paths[name]
+        return self._local_update[name] if bucket.fc is not None else self._server_path
 
     @contextlib.contextmanager
     def _device_stream(self, bucket: Bucket, channel: int):
@@ -459,9 +611,21 @@ class Engine:
         if self.closed:
             return
         self.closed = True
-        self.core.close()
+        try:
+            self.drain()
+        finally:
+            self.core.close()
+            for handle in self._server_hooks:
+                handle.remove()
         for layer in self.fc.values():
             layer.remove()
+
+
+def _wait_exchange(exchange) -> None:
+    try:
+        exchange.wait()
+    except RuntimeError as exc:
+        raise SyncError(f"the end-of-pass facts exchange failed: {exc}") from exc
 
 
 class _Arm:

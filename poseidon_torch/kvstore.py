@@ -67,6 +67,28 @@ def plan_chunks(numels: Sequence[int], element_sizes: Sequence[int], world_size:
     return plan
 
 
+def plan_aligned_chunks(param_numels: Sequence[Sequence[int]], flat_numels: Sequence[int],
+                        element_sizes: Sequence[int], world_size: int, chunk_bytes: int) -> list[list[Chunk]]:
+    """Chunks of whole parameters, for optimizers whose update of one element reads the whole
+    parameter (LAMB, LARS): consecutive parameters fill a chunk up to ``chunk_bytes``, a larger one is a
+    chunk alone; the flags after the last parameter ride with the last chunk. Dealt round-robin over
+    the shards, as :func:`plan_chunks`."""
+    plan, dealt = [], 0
+    for numels, flat_numel, element_size in zip(param_numels, flat_numels, element_sizes):
+        max_elems = max(1, chunk_bytes // element_size)
+        starts, start, filled = [0], 0, 0
+        for numel in numels:
+            if filled and filled + numel > max_elems:
+                start += filled
+                starts.append(start)
+                filled = 0
+            filled += numel
+        stops = starts[1:] + [flat_numel]
+        plan.append([Chunk(a, b, (dealt + tag) % world_size, tag) for tag, (a, b) in enumerate(zip(starts, stops))])
+        dealt += len(starts)
+    return plan
+
+
 def ps_bytes_per_rank(nbytes: float, world_size: int) -> float:
     """Mean bytes one rank sends on the PS path for a flat buffer of ``nbytes``: it pushes the
     (P-1)/P it does not own once and sends its own 1/P to each of the P-1 peers."""
@@ -87,6 +109,8 @@ class Schedule:
     #: per owned chunk: its piece of the flat buffer, and every rank's part in rank order (the piece
     #: itself at this rank's place, receive buffers elsewhere)
     aggregate: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
+    #: with ``flags_to_owners``, on a rank that owns a chunk: every rank's flags in rank order
+    flags: list[torch.Tensor] = field(default_factory=list)
     bytes_sent: int = 0
 
 
@@ -98,13 +122,27 @@ class PSPath:
     def __init__(self, rank: int, world_size: int, chunk_bytes: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.chunk_bytes = chunk_bytes
+        #: chunks of whole parameters (:func:`plan_aligned_chunks`) instead of cut anywhere
+        self.aligned = False
+        #: every rank also pushes its used and aborted flags to each owner of a chunk of the bucket, so
+        #: an owner knows them before its pull (the server's update needs them)
+        self.flags_to_owners = False
         self._schedules: dict[int, Schedule] = {}
+        self._chunks: dict[int, list[Chunk]] = {}
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
         """Deal the chunks of ``buckets`` over the shards and compute every bucket's schedule."""
-        plan = plan_chunks([b.flat.numel() for b in buckets], [b.flat.element_size() for b in buckets],
-                           self.world_size, self.chunk_bytes)
-        self._schedules = {id(b): self._schedule(b.flat, chunks) for b, chunks in zip(buckets, plan)}
+        sizes = [b.flat.element_size() for b in buckets]
+        if self.aligned:
+            plan = plan_aligned_chunks([[p.numel() for p in b.params] for b in buckets],
+                                       [b.flat.numel() for b in buckets], sizes, self.world_size, self.chunk_bytes)
+        else:
+            plan = plan_chunks([b.flat.numel() for b in buckets], sizes, self.world_size, self.chunk_bytes)
+        self._chunks = {id(b): chunks for b, chunks in zip(buckets, plan)}
+        self._schedules = {id(b): self._schedule(b, chunks) for b, chunks in zip(buckets, plan)}
+
+    def chunks_of(self, bucket: Bucket) -> list[Chunk]:
+        return self._chunks[id(bucket)]
 
     def schedule_of(self, bucket: Bucket) -> Schedule:
         return self._schedules[id(bucket)]
@@ -128,23 +166,50 @@ class PSPath:
 
     def average(self, bucket: Bucket, groups: ChannelGroups) -> None:
         """Push, aggregate and pull ``bucket.flat`` in place (the network part of a sync)."""
-        if self.world_size == 1:
-            return
-        schedule = self._schedules[id(bucket)]
-        for messages in schedule.push:
-            _run(messages, groups)
-        for own, contributions in schedule.aggregate:
-            _aggregate_into(own, contributions, self.world_size)
-        for messages in schedule.pull:
+        self.push(bucket, groups)
+        self.aggregate(bucket)
+        self.pull(bucket, groups)
+
+    def push(self, bucket: Bucket, groups: ChannelGroups) -> None:
+        """Send every part of the bucket to its owner; receive the parts of the chunks this rank owns."""
+        for messages in self._schedules[id(bucket)].push:
             _run(messages, groups)
 
-    def _schedule(self, flat: torch.Tensor, chunks: Sequence[Chunk]) -> Schedule:
-        rank, size = self.rank, self.world_size
+    def aggregate(self, bucket: Bucket) -> None:
+        """Average the chunks this rank owns, in place."""
+        for own, contributions in self._schedules[id(bucket)].aggregate:
+            _aggregate_into(own, contributions, self.world_size)
+
+    def pull(self, bucket: Bucket, groups: ChannelGroups) -> None:
+        """Send the chunks this rank owns to every peer; receive the others from their owners."""
+        for messages in self._schedules[id(bucket)].pull:
+            _run(messages, groups)
+
+    def owner_flags(self, bucket: Bucket) -> torch.Tensor | None:
+        """With ``flags_to_owners``, after the push and before the aggregation: the sum over all ranks
+        of the bucket's used and aborted flags (None on a rank that owns no chunk of it)."""
+        parts = self._schedules[id(bucket)].flags
+        if not parts:
+            return None
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total
+
+    def _schedule(self, bucket: Bucket, chunks: Sequence[Chunk]) -> Schedule:
+        rank, size, flat = self.rank, self.world_size, bucket.flat
         schedule = Schedule()
         inbox: dict[tuple[Chunk, int], torch.Tensor] = {}
+        flags = flat[bucket.grad_numel:]
+        owners = {c.owner for c in chunks}
+        flag_tag = len(chunks)
         for shift in range(1, size):
             to, frm = (rank + shift) % size, (rank - shift) % size
             push, pull = [], []
+            if self.flags_to_owners and to in owners:
+                push.append((True, flags, to, flag_tag))
+            if self.flags_to_owners and rank in owners:
+                push.append((False, inbox.setdefault((None, frm), torch.empty_like(flags)), frm, flag_tag))
             for c in chunks:
                 piece = flat[c.start:c.stop]
                 if c.owner == to:  # push my part of the chunk ``to`` owns
@@ -161,6 +226,8 @@ class PSPath:
                 own = flat[c.start:c.stop]
                 parts = [own if peer == rank else inbox[(c, peer)] for peer in range(size)]
                 schedule.aggregate.append((own, parts))
+        if self.flags_to_owners and rank in owners:
+            schedule.flags = [flags if peer == rank else inbox[(None, peer)] for peer in range(size)]
         schedule.bytes_sent = sum(t.numel() * t.element_size() for round_ in schedule.push + schedule.pull
                                   for is_send, t, _, _ in round_ if is_send)
         return schedule

@@ -15,9 +15,11 @@ from typing import Any
 #: iteration: forward start to the end of the BSP barrier; queue: a sync job waiting for its channel;
 #: the phases of a sync job, as its path yields them: gather (gradients or factors into the send
 #: buffer, device-to-host on the staged GPU path), network (bytes on the wire), rebuild (SFB's GEMM),
-#: scatter (averages back into ``.grad``); sync: a whole sync job (args carry ``path`` and ``bytes``).
-SPAN_KINDS = ("forward", "backward", "iteration", "queue", "gather", "network", "rebuild", "scatter", "sync")
-PHASE_KINDS = ("gather", "network", "rebuild", "scatter")
+#: update (the optimizer step at a shard, parameter-server mode), scatter (averages back into
+#: ``.grad``); sync: a whole sync job (args carry ``path`` and ``bytes``).
+SPAN_KINDS = ("forward", "backward", "iteration", "queue", "gather", "network", "rebuild", "update", "scatter",
+              "sync")
+PHASE_KINDS = ("gather", "network", "rebuild", "update", "scatter")
 COMPUTE_KINDS = ("forward", "backward")
 COMM_KINDS = ("network",)
 

@@ -1,0 +1,418 @@
+"""The server side of the KV store: shards hold the optimizer state and apply the update (paper, sec. 3).
+
+With a :class:`ServerOptimizer`, a bucket's sync no longer hands averaged gradients back to every rank:
+- :class:`ServerPath` (buckets on the PS path): push, aggregate exactly P parts, then the *owner* of each
+  chunk runs the user's optimizer on that chunk with the chunk's optimizer state (which only it holds),
+  and the pull carries new **parameter values** instead of gradients;
+- :class:`LocalUpdatePath` (FC buckets, which may take SFB): every rank rebuilds the full averaged
+  gradient anyway, so every rank applies the update to the whole layer with identical state (no pull
+  needed, no extra bytes; the state of FC layers is replicated, not sharded);
+- either way the new values wait in the bucket's flat buffer; the engine copies them into the parameters
+  on the training thread: in the forward pre-hook of the layer that owns them, or when it settles the pass.
+
+A *piece* is the part of one parameter inside one chunk. Each rank's pieces are leaf tensors that its
+per-bucket inner optimizers (the user's class, the user's param groups and hyperparameters) step.
+Invariants:
+- every element of every trainable parameter is in exactly one owned piece over all ranks (FC buckets:
+  in one piece on every rank);
+- before a step a piece is refreshed from the live parameter, so edits between steps (loading a
+  checkpoint, a user's in-place change) are never overwritten with stale values;
+- a parameter that no rank used in the pass gets no gradient and is not stepped (as torch skips a
+  parameter whose ``.grad`` is None); an aborted pass steps nothing;
+- hyperparameters are read from the user-facing param groups at every step, so LR schedulers work;
+- optimizers whose update of one element reads other elements of the parameter get chunks aligned to
+  whole parameters; optimizers that need a closure or sparse gradients are refused.
+"""
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .bucket import Bucket
+from .kvstore import Chunk, PSPath
+from .pools import ChannelGroups
+
+#: torch optimizers whose update of an element reads only that element's gradient and state: their
+#: chunks may cut parameters anywhere. Any other class sees whole parameters.
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD"))
+#: optimizers that cannot run on shards: a closure re-evaluating the whole model, or sparse gradients
+REFUSED = (torch.optim.LBFGS, torch.optim.SparseAdam)
+
+
+def chunks_must_align(optimizer_class: type) -> bool:
+    """Whether ``optimizer_class`` needs whole parameters in a chunk; raises for refused classes."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    if issubclass(optimizer_class, REFUSED):
+        raise ValueError(f"{optimizer_class.__name__} cannot run on parameter-server shards (it needs a closure "
+                         "over the whole model or sparse gradients); use it with PoseidonDDP's default mode")
+    return not issubclass(optimizer_class, ELEMENTWISE)
+
+
+@dataclass(eq=False)
+class Piece:
+    """Elements ``lo:hi`` of one flattened parameter, and the leaf tensor the inner optimizer steps."""
+
+    param: torch.nn.Parameter
+    key: int           #: the parameter's index in the optimizer's state_dict (torch's numbering)
+    position: int      #: the parameter's position in its bucket
+    lo: int
+    hi: int
+    flat_start: int    #: where the piece lies in the bucket's flat buffer
+    tensor: Tensor
+
+    @property
+    def whole(self) -> bool:
+        return self.lo == 0 and self.hi == self.param.numel()
+
+    def live(self) -> Tensor:
+        """The parameter's current values of this piece, shaped as the piece."""
+        return self.param.detach().reshape(-1)[self.lo:self.hi].view(self.tensor.shape)
+
+    def view_of(self, flat: Tensor) -> Tensor:
+        return flat[self.flat_start:self.flat_start + self.hi - self.lo].view(self.tensor.shape)
+
+
+def pieces_of(bucket: Bucket, chunks: Iterable[Chunk], key_of: dict[int, int]) -> list[Piece]:
+    """The pieces of ``bucket`` inside ``chunks`` (a whole parameter keeps its shape)."""
+    pieces = []
+    for chunk in chunks:
+        for j, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
+            lo, hi = max(chunk.start - offset, 0), min(chunk.stop - offset, p.numel())
+            if lo >= hi:
+                continue
+            shape = p.shape if (lo, hi) == (0, p.numel()) else (hi - lo,)
+            tensor = torch.empty(shape, dtype=p.dtype, device=p.device)
+            pieces.append(Piece(p, key_of[id(p)], j, lo, hi, offset + lo, tensor))
+    return pieces
+
+
+class BucketShard:
+    """The pieces of one bucket that this rank updates, and the inner optimizer that steps them."""
+
+    def __init__(self, pieces: list[Piece], facade: ServerOptimizer) -> None:
+        self.pieces = pieces
+        self.facade = facade
+        by_group: dict[int, list[Tensor]] = defaultdict(list)
+        for piece in pieces:
+            by_group[facade.group_of[piece.key]].append(piece.tensor)
+        self.groups = sorted(by_group)  #: the user's param groups this bucket's pieces belong to
+        self.inner = None
+        if pieces:
+            inner_groups = [{**_hyper(facade.param_groups[g]), "params": by_group[g]} for g in self.groups]
+            self.inner = facade.optimizer_class(inner_groups, **facade.init_kwargs)
+
+    def step(self, grads: Sequence[Tensor | None], out: Tensor) -> None:
+        """Step every piece whose gradient is given (None: not stepped), starting from the live
+        parameter, and write every piece's value into its place in ``out`` (a bucket's flat buffer)."""
+        if self.inner is None:
+            return
+        for piece, grad in zip(self.pieces, grads):
+            piece.tensor.copy_(piece.live())
+            piece.tensor.grad = grad
+        for inner_group, g in zip(self.inner.param_groups, self.groups):
+            inner_group.update(_hyper(self.facade.param_groups[g]))
+        if any(grad is not None for grad in grads):
+            self.inner.step()
+        for piece in self.pieces:
+            piece.tensor.grad = None
+            piece.view_of(out).copy_(piece.tensor)
+
+    def export(self) -> dict[int, list[tuple[int, int, dict[str, Any], dict[str, Any]]]]:
+        """Per parameter key: (lo, hi, sliced state, whole-parameter state) of each piece with state."""
+        out: dict[int, list] = defaultdict(list)
+        if self.inner is None:
+            return out
+        for piece in self.pieces:
+            state = self.inner.state.get(piece.tensor)
+            if not state:
+                continue
+            sliced = {k: v.detach().clone().reshape(-1) for k, v in state.items() if _is_sliced(v, piece)}
+            whole = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items() if k not in sliced}
+            out[piece.key].append((piece.lo, piece.hi, sliced, whole))
+        return out
+
+    def load(self, full_state: dict[int, dict[str, Any]]) -> None:
+        """Take each piece's part of a torch-format state (per parameter key)."""
+        if self.inner is None:
+            return
+        for piece in self.pieces:
+            state = full_state.get(piece.key)
+            if state is None:
+                self.inner.state.pop(piece.tensor, None)
+                continue
+            self.inner.state[piece.tensor] = {k: _take(v, piece) for k, v in state.items()}
+
+    def state_bytes(self) -> int:
+        if self.inner is None:
+            return 0
+        return sum(v.numel() * v.element_size() for state in self.inner.state.values()
+                   for v in state.values() if isinstance(v, Tensor))
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _is_sliced(value: Any, piece: Piece) -> bool:
+    """A state entry with one value per element of the piece (momentum, exp_avg), not a scalar (step)."""
+    return isinstance(value, Tensor) and value.shape == piece.tensor.shape and (value.dim() > 0 or piece.whole)
+
+
+def _take(value: Any, piece: Piece) -> Any:
+    """A piece's part of a whole-parameter state entry."""
+    if isinstance(value, Tensor) and value.shape == piece.param.shape and (value.dim() > 0 or piece.whole):
+        return value.detach().reshape(-1)[piece.lo:piece.hi].clone().view(piece.tensor.shape).to(piece.tensor.device)
+    return value.clone() if isinstance(value, Tensor) else value
+
+
+def merge_exports(exports: Iterable[dict], shapes: dict[int, torch.Size]) -> dict[int, dict[str, Any]]:
+    """Whole-parameter state (torch's format, per key) from every rank's :meth:`BucketShard.export`
+    (replicated pieces, found on several ranks, are taken once)."""
+    by_key: dict[int, dict[int, tuple]] = defaultdict(dict)
+    for export in exports:
+        for key, items in export.items():
+            for lo, hi, sliced, whole in items:
+                by_key[key].setdefault(lo, (hi, sliced, whole))
+    full = {}
+    for key, items in sorted(by_key.items()):
+        ordered = [items[lo] for lo in sorted(items)]
+        covered = sum(hi - lo for lo, (hi, _, _) in items.items())
+        if covered != shapes[key].numel():
+            raise RuntimeError(f"optimizer state of parameter {key} covers {covered} of {shapes[key].numel()} elements")
+        state = dict(ordered[0][2])
+        for name in ordered[0][1]:
+            state[name] = torch.cat([sliced[name] for _, sliced, _ in ordered]).view(shapes[key])
+        full[key] = state
+    return full
+
+
+class Server:
+    """This rank's shards: one :class:`BucketShard` per bucket, rebuilt when the buckets change."""
+
+    def __init__(self, facade: ServerOptimizer, world_size: int) -> None:
+        self.facade = facade
+        self.world_size = world_size
+        self.shards: dict[int, BucketShard] = {}
+
+    def install(self, buckets: Sequence[Bucket], ps: PSPath, rank: int) -> None:
+        """Pieces for ``buckets``: the chunks this rank owns, or every parameter of an FC bucket."""
+        key_of = self.facade.key_of
+        shards = {}
+        for bucket in buckets:
+            chunks = [Chunk(0, bucket.grad_numel, rank, 0)] if bucket.fc is not None else \
+                [c for c in ps.chunks_of(bucket) if c.owner == rank]
+            shards[id(bucket)] = BucketShard(pieces_of(bucket, chunks, key_of), self.facade)
+        self.shards = shards
+
+    def shard(self, bucket: Bucket) -> BucketShard:
+        return self.shards[id(bucket)]
+
+    def export(self) -> dict:
+        out: dict[int, list] = defaultdict(list)
+        for shard in self.shards.values():
+            for key, items in shard.export().items():
+                out[key].extend(items)
+        return dict(out)
+
+    def load(self, full_state: dict[int, dict[str, Any]]) -> None:
+        for shard in self.shards.values():
+            shard.load(full_state)
+
+    def state_bytes(self) -> int:
+        return sum(shard.state_bytes() for shard in self.shards.values())
+
+
+class ServerPath:
+    """The PS path with the update at the owner: gather, push, aggregate, update, pull new values."""
+
+    name = "PS"
+
+    def __init__(self, ps: PSPath, server: Server) -> None:
+        self.ps, self.server = ps, server
+
+    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
+        yield "gather"
+        bucket.gather(ctx.aborted, ctx.shadow)
+        yield "network"
+        self.ps.push(bucket, groups)
+        flags = self.ps.owner_flags(bucket)
+        self.ps.aggregate(bucket)
+        yield "update"
+        shard = self.server.shard(bucket)
+        if flags is not None:
+            aborted = bool(flags[-1] > 0)
+            used = (flags[:-1] > 0).tolist()
+            grads = [None if aborted or not used[piece.position] else piece.view_of(bucket.flat)
+                     for piece in shard.pieces]
+            shard.step(grads, bucket.flat)
+        yield "network"
+        self.ps.pull(bucket, groups)
+        bucket.bytes_sent = self.ps.bytes_sent(bucket)
+        bucket.outcome = self.name
+        return consume(bucket)
+
+
+class LocalUpdatePath:
+    """An FC bucket's sync (PS or SFB, ``inner``), then the update of the whole layer on every rank."""
+
+    def __init__(self, inner: Any, server: Server) -> None:
+        self.inner, self.server = inner, server
+        self.name = inner.name
+
+    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
+        synced = yield from self.inner.sync(bucket, groups, ctx)
+        if not synced:
+            return False
+        yield "update"
+        shard = self.server.shard(bucket)
+        used = bucket.used_anywhere.tolist()
+        shard.step([piece.param.grad if used[piece.position] else None for piece in shard.pieces], bucket.flat)
+        flags = bucket.flat[bucket.grad_numel:]
+        flags[:-1].copy_(bucket.used_anywhere)
+        flags[-1] = 0
+        for p in bucket.params:
+            p.grad = None
+        return True
+
+
+def consume(bucket: Bucket) -> bool:
+    """After a server sync (the flat buffer holds new values and the summed flags): the used flags;
+    the local gradients are spent (None), or kept as unsynced when some rank aborted (False)."""
+    flags = bucket.flat[bucket.grad_numel:] > 0
+    bucket.used_anywhere.copy_(flags[:-1])
+    if flags[-1]:
+        bucket.dirty |= bucket.seen
+        return False
+    for p in bucket.params:
+        p.grad = None
+    bucket.dirty.zero_()
+    return True
+
+
+def apply_values(bucket: Bucket) -> None:
+    """Copy the new values of the parameters some rank used into the parameters (training thread; the
+    in-place copy bumps their version, so a graph that saved the old values refuses to backpropagate)."""
+    with torch.no_grad():
+        for used, (p, value) in zip(bucket.used_anywhere.tolist(), bucket.views()):
+            if used:
+                p.copy_(value)
+
+
+class ServerOptimizer(torch.optim.Optimizer):
+    """The user's optimizer, run by the parameter-server shards of a :class:`PoseidonDDP`.
+
+    ``ServerOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)`` (or ``params=`` param
+    groups over ``model``'s parameters, as for any torch optimizer). From then on each synced
+    ``backward()`` is one optimizer step: the owner of each 2 MB chunk applies the update with the
+    chunk's optimizer state (1/P of it per rank), and the new values are pulled. ``step()`` waits until
+    every parameter holds its new value (with ``lazy_pull=True`` it returns at once, and each layer's
+    new values land just before its next forward). ``zero_grad()`` is harmless: the server spends the
+    gradients. ``state_dict()`` after ``consolidate_state_dict(to)`` on every rank, as
+    ``ZeroRedundancyOptimizer``; ``load_state_dict`` takes torch's format (also a plain optimizer's).
+    """
+
+    def __init__(self, model: Any, optimizer_class: type, params: Iterable | None = None, *,
+                 lazy_pull: bool = False, **defaults: Any) -> None:
+        from .ddp import PoseidonDDP
+
+        if not isinstance(model, PoseidonDDP):
+            raise TypeError(f"ServerOptimizer needs the PoseidonDDP that trains the model, got {type(model).__name__}")
+        self.aligned = chunks_must_align(optimizer_class)
+        self.optimizer_class = optimizer_class
+        self.lazy_pull = bool(lazy_pull)
+        self.model = model
+        # the class's own defaults, completed as it completes them, so param_groups read as torch's
+        defaults = optimizer_class([torch.zeros(1)], **defaults).defaults
+        super().__init__(list(model.parameters()) if params is None else params, defaults)
+        accepted = inspect.signature(optimizer_class).parameters
+        #: the defaults the class takes as arguments (the groups carry every hyperparameter anyway)
+        self.init_kwargs = {k: v for k, v in defaults.items() if k in accepted}
+        optimizable = [p for g in self.param_groups for p in g["params"]]
+        self.key_of = {id(p): i for i, p in enumerate(optimizable)}
+        self.group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        self._shapes = {i: p.shape for i, p in enumerate(optimizable)}
+        self._consolidated: dict | None = None
+        missing = [n for n, p in model.module.named_parameters() if p.requires_grad and id(p) not in self.key_of]
+        if missing:
+            raise ValueError("ServerOptimizer must optimize every trainable parameter of the model; "
+                             f"missing: {missing[:8]}")
+        self._inner_probe()
+        model.attach_server(self)
+
+    def _inner_probe(self) -> None:
+        """Build the class once on the user's groups, so bad hyperparameters fail here, on every rank."""
+        probe = [{**_hyper(g), "params": [torch.zeros(1, dtype=g["params"][0].dtype)]} for g in self.param_groups
+                 if g["params"]]
+        self.optimizer_class(probe, **self.init_kwargs)
+
+    @property
+    def server(self) -> Server:
+        return self.model.engine.server
+
+    def step(self, closure: Any = None) -> None:
+        """The update already ran at the shards during ``backward()``: wait until every parameter holds
+        its new value (unless ``lazy_pull``)."""
+        if closure is not None:
+            raise ValueError("ServerOptimizer.step() takes no closure: the update runs during backward()")
+        self._consolidated = None
+        if not self.lazy_pull:
+            self.model.synchronize()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The server spends the gradients of every synced backward; this clears what is left (local
+        gradients of an aborted step). While a lazy pull is under way its jobs may still be reading
+        ``.grad``: nothing is left then, and nothing is touched."""
+        if self.model.engine.deferred_pending():
+            return
+        super().zero_grad(set_to_none)
+
+    def local_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        return self.server.state_bytes()
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole optimizer state on rank ``to`` (collective: every rank calls it)."""
+        self.model.synchronize()
+        exports = self.model.engine.gather_objects(self.server.export(), to)
+        self._consolidated = None
+        if exports is not None:
+            self._consolidated = merge_exports(exports, self._shapes)
+
+    def state_dict(self) -> dict:
+        """torch's optimizer format, after :meth:`consolidate_state_dict` on every rank (this rank ``to``)."""
+        if self._consolidated is None:
+            raise RuntimeError("call consolidate_state_dict(to=...) on every rank first (as with "
+                               "ZeroRedundancyOptimizer), then state_dict() on rank `to`")
+        groups = []
+        for group in self.param_groups:
+            groups.append({**_hyper(group), "params": [self.key_of[id(p)] for p in group["params"]]})
+        return {"state": {k: dict(v) for k, v in self._consolidated.items()}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load torch's format (every rank the whole dict; each keeps its pieces' parts)."""
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("loaded state_dict has param groups of other sizes than this optimizer's")
+        self.model.synchronize()
+        for group, saved in zip(self.param_groups, groups):
+            group.update(_hyper(saved))
+        state = {int(k): v for k, v in state_dict["state"].items()}
+        for key, entry in state.items():
+            shape = self._shapes[key]
+            for name, value in entry.items():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape != shape:
+                    raise ValueError(f"state {name!r} of parameter {key} has shape {tuple(value.shape)}, "
+                                     f"the parameter {tuple(shape)}")
+        self.server.load(state)
+        self._consolidated = None
+
+    def __repr__(self) -> str:
+        return f"ServerOptimizer({self.optimizer_class.__name__}, {len(self.param_groups)} group(s))"

@@ -1,0 +1,227 @@
+"""Rank functions for the parameter-server mode tests: ``fn(rank, world_size, *args)``."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from models import ModelSpec, batch, build
+from poseidon_torch import PoseidonDDP, ServerOptimizer
+from workers import poseidon_options, shard
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "adam": (torch.optim.Adam, dict(lr=0.01, weight_decay=0.001)),
+    "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.05)),
+}
+
+
+class LARS(torch.optim.Optimizer):
+    """A layer-wise optimizer (the trust ratio reads the whole parameter), as LARS and LAMB are."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                trust = p.norm() / (p.grad.norm() + 1e-6) if p.norm() > 0 else torch.tensor(1.0)
+                p.add_(p.grad, alpha=-group["lr"] * float(trust))
+
+
+def param_groups(model: nn.Module, kind: str) -> list | None:
+    """None (one group), or two groups with their own lr and weight decay (biases vs the rest)."""
+    if kind == "one":
+        return None
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias") or p.dim() == 1]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("bias") or p.dim() == 1)]
+    return [g for g in ({"params": rest}, {"params": biases, "lr": 0.003, "weight_decay": 0.0}) if g["params"]]
+
+
+def make_optimizer(wrapped: nn.Module, model: nn.Module, wrapper: str, name: str, groups: str, lazy: bool):
+    cls, kwargs = (LARS, dict(lr=0.05)) if name == "lars" else OPTIMIZERS[name]
+    params = param_groups(model, groups)
+    if wrapper == "server":
+        return ServerOptimizer(wrapped, cls, params, lazy_pull=lazy, **kwargs)
+    if wrapper == "zero":
+        return ZeroRedundancyOptimizer(params or list(model.parameters()), optimizer_class=cls, **kwargs)
+    return cls(params or model.parameters(), **kwargs)
+
+
+def train(rank: int, world_size: int, spec: ModelSpec, wrapper: str, optimizer: str, steps: int, size: int,
+          groups: str = "one", schedule: bool = False, lazy: bool = False, options: dict | None = None,
+          accumulate: int = 1) -> dict:
+    """Train with ``wrapper`` in ("server", "ddp", "zero"); returns the final state and, for the
+    server, the optimizer state bytes of this rank and the paths its buckets took."""
+    torch.manual_seed(0)
+    model = build(spec, seed=spec.seed)
+    if wrapper == "server":
+        wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, options))
+    else:
+        wrapped = DDP(model, find_unused_parameters=spec.unused_branch or spec.rank0_branch)
+    opt = make_optimizer(wrapped, model, wrapper, optimizer, groups, lazy)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if schedule else None
+    outcomes = []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x, y = batch(spec, step * accumulate + micro, size, world_size)
+            last = micro == accumulate - 1
+            with contextlib.nullcontext() if last else wrapped.no_sync():
+                out = wrapped(shard(x, rank, size), use_side=spec.rank0_branch and rank == 0)
+                F.mse_loss(out, shard(y, rank, size)).backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        if wrapper == "server":
+            outcomes.append(dict(wrapped.comm_stats.outcome_by_bucket))
+    result = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "outcomes": outcomes,
+              "params": [name for name, _ in model.named_parameters()]}
+    if wrapper == "server":
+        result["state_bytes"] = opt.local_state_bytes()
+        opt.consolidate_state_dict(to=0)
+        result["optimizer"] = opt.state_dict() if rank == 0 else None
+        wrapped.close()
+    elif wrapper == "ddp":
+        result["optimizer"] = opt.state_dict()
+    return result
+
+
+def train_against(rank: int, world_size: int, spec: ModelSpec, anchors: tuple[str, ...], optimizer: str,
+                  steps: int, size: int, kwargs: dict | None = None) -> dict:
+    """The server's run and each anchor's (``"ddp"``, ``"zero"``) on the same data; ``kwargs`` for
+    :func:`train`."""
+    kwargs = kwargs or {}
+    return {w: train(rank, world_size, spec, w, optimizer, steps, size, **kwargs) for w in ("server",) + anchors}
+
+
+def full_state_bytes(spec: ModelSpec, optimizer: str) -> int:
+    """Bytes of the optimizer state of one step of the whole model, on one process."""
+    model = build(spec, seed=spec.seed)
+    cls, kwargs = OPTIMIZERS[optimizer]
+    opt = cls(model.parameters(), **kwargs)
+    x, y = batch(spec, 0, 2, 1)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+def delayed_pulls(rank: int, world_size: int, delay_s: float) -> dict:
+    """Lazy pulls whose jobs gather and pull ``delay_s`` late: the training loop's ``zero_grad()`` must
+    not take the gradients from under the job, and the next forward must wait per layer. Returns both
+    runs' final states and the seconds this rank's forwards waited for new values."""
+    from poseidon_torch.server import ServerPath
+
+    class SlowPull(ServerPath):
+        def sync(self, bucket, groups, ctx):
+            phases = super().sync(bucket, groups, ctx)
+            result = None
+            while True:
+                try:
+                    phase = next(phases)
+                except StopIteration as stop:
+                    result = stop.value
+                    break
+                if phase in ("gather", "update"):  # late to read .grad, late to pull
+                    time.sleep(delay_s)
+                yield phase
+            return result
+
+    spec = ModelSpec(widths=(16, 16), out_features=4)
+    states, waited = {}, 0.0
+    for wrapper in ("server", "ddp"):
+        model = build(spec, seed=1)
+        wrapped = PoseidonDDP(model, timeout=60, hybrid=False, fusion_bytes=0) if wrapper == "server" else DDP(model)
+        opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=True)
+        for step in range(4):
+            if wrapper == "server" and step == 1:  # the buckets are learned: slow every pull from now on
+                engine = wrapped.engine
+                engine._server_path = SlowPull(engine._ps, engine.server)
+            x, y = batch(spec, step, 2, world_size)
+            start = time.monotonic()
+            out = wrapped(shard(x, rank, 2))
+            if wrapper == "server" and step > 1:
+                waited += time.monotonic() - start
+            F.mse_loss(out, shard(y, rank, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+        if wrapper == "server":
+            wrapped.synchronize()
+            wrapped.close()
+        states[wrapper] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {**states, "waited_in_forward": waited}
+
+
+def checkpoint_phase(rank: int, world_size: int, spec: ModelSpec, path: str, phase: str) -> dict:
+    """``save``: train 3 steps, consolidate and save model and optimizer (rank 0). ``resume`` (new
+    processes): an uninterrupted run of 6 steps, and a run that loads the checkpoint and does 3 more."""
+    import torch.distributed as dist
+
+    def run(steps: range, load: bool) -> dict:
+        model = build(spec, seed=spec.seed)
+        wrapped = PoseidonDDP(model, timeout=60)
+        opt = ServerOptimizer(wrapped, torch.optim.AdamW, lr=0.01, weight_decay=0.05)
+        if load:
+            checkpoint = torch.load(path, weights_only=False)
+            wrapped.load_state_dict(checkpoint["model"])
+            opt.load_state_dict(checkpoint["optimizer"])
+        for step in steps:
+            x, y = batch(spec, step, 2, world_size)
+            F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+        if phase == "save":
+            opt.consolidate_state_dict(to=0)
+            if rank == 0:
+                torch.save({"model": wrapped.state_dict(), "optimizer": opt.state_dict()}, path)
+            dist.barrier()
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        wrapped.close()
+        return state
+
+    if phase == "save":
+        run(range(3), load=False)
+        return {}
+    return {"uninterrupted": run(range(6), load=False), "resumed": run(range(3, 6), load=True)}
+
+
+def refusals(rank: int, world_size: int) -> dict:
+    """Each misuse gives a clear error on every rank, and training goes on afterwards."""
+    spec = ModelSpec(widths=(8,))
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60)
+    errors = {}
+
+    def capture(name, fn):
+        try:
+            fn()
+            errors[name] = "no error"
+        except (TypeError, ValueError, RuntimeError) as exc:
+            errors[name] = str(exc)
+
+    capture("lbfgs", lambda: ServerOptimizer(wrapped, torch.optim.LBFGS, lr=0.1))
+    capture("subset", lambda: ServerOptimizer(wrapped, torch.optim.SGD, [next(model.parameters())], lr=0.1))
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1)
+    capture("closure", lambda: opt.step(lambda: 0.0))
+    capture("join", lambda: wrapped.join())
+    x, y = batch(spec, 0, 2, world_size)
+    for step in range(2):
+        out = wrapped(shard(x, rank, 2))
+        loss = F.mse_loss(out, shard(y, rank, 2))
+        loss.backward(retain_graph=True)
+    capture("second_backward", lambda: loss.backward())
+    opt.step()
+    F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+    opt.step()
+    errors["after"] = "trained"
+    wrapped.close()
+    return errors
