@@ -8,6 +8,8 @@
 #   MODES      comma-separated modes [the runner's default: compute-only,torch-ddp,poseidon-ps,poseidon-hybrid]
 #   REPEATS    runs of every configuration [1]; the report gives each run's cells
 #   ITERS, WARMUP  timed and untimed iterations [12, 3]
+#   OPTIMIZER  sgd or adamw [sgd]; the parameter-server comparison (issue 11) uses
+#              MODES=compute-only,torch-ddp,ddp-zero,poseidon-server,poseidon-server-lazy OPTIMIZER=adamw
 # netns configurations need root (network namespaces + tc); each one takes a few minutes on 2 cores.
 set -uo pipefail
 out=${1:-bench_out}
@@ -25,7 +27,7 @@ for run in $(seq 1 "$repeats"); do
       dir="$out/run${run}/${mode}_h${hosts}_${bw}_${workload}"
       # a failed mode is recorded in results.json and the table; go on with the other configurations
       python -m poseidon_torch.bench --mode "$mode" --hosts "$hosts" --bandwidth "$bw" --workload "$workload" \
-        --iters "${ITERS:-12}" --warmup "${WARMUP:-3}" ${MODES:+--modes "$MODES"} --out "$dir" || status=1
+        --iters "${ITERS:-12}" --warmup "${WARMUP:-3}" --optimizer "${OPTIMIZER:-sgd}" ${MODES:+--modes "$MODES"} --out "$dir" || status=1
       results+=("$dir/results.json")
     done
   done

@@ -98,6 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     parser.add_argument("--tiny", action="store_true", help="shrunken models (smoke tests)")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                        help="SGD with momentum, or AdamW (the sharded modes shard its state)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each rank may run")
     parser.add_argument("--no-trace", dest="trace", action="store_false",
                         help="do not trace the PoseidonDDP modes (no overlap column; for short iterations, "
@@ -240,6 +242,7 @@ def worker_argv(args: argparse.Namespace, mode: str, workload: str, result: Path
             "--iters", str(args.iters), "--warmup", str(args.warmup), "--threads", str(threads),
             "--timeout", str(args.timeout), "--result", str(result)]
     argv += ["--tiny"] * args.tiny
+    argv += ["--optimizer", args.optimizer]
     argv += ["--wire-iface", wire_iface] if wire_iface else []
     argv += ["--trace-dir", str(trace_dir)] if trace_dir else []
     return argv
@@ -318,22 +321,28 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def table(report: dict) -> str:
-    header = (f"{'workload':<12} {'mode':<18} {'iter ms':>9} {'samples/s':>10} {'vs DDP':>7} {'MB/iter/host':>12} "
-              f"{'source':<10} {'bound ms':>9} {'x bound':>8} {'overlap':>8} {'CPU s/iter':>10}")
+    header = (f"{'workload':<12} {'mode':<20} {'iter ms':>9} {'samples/s':>10} {'vs DDP':>7} {'MB/iter/host':>12} "
+              f"{'source':<10} {'bound ms':>9} {'x bound':>8} {'overlap':>8} {'CPU s/iter':>10} {'opt MB/rank':>11}")
     lines = [header, "-" * len(header)]
     for workload, entry in report["workloads"].items():
         bound = entry.get("lower_bound_s")
         for mode, r in entry["modes"].items():
             if "error" in r:
-                lines.append(f"{workload:<12} {mode:<18} FAILED: {r['error']}")
+                lines.append(f"{workload:<12} {mode:<20} FAILED: {r['error']}")
                 continue
             lines.append(
-                f"{workload:<12} {mode:<18} {r['median_iter_s'] * 1e3:>9.1f} {r['samples_per_s']:>10.1f} "
+                f"{workload:<12} {mode:<20} {r['median_iter_s'] * 1e3:>9.1f} {r['samples_per_s']:>10.1f} "
                 f"{_fmt(r['ratio_to_ddp'], '.2f'):>7} {r['bytes_per_iter_per_host'] / 1e6:>12.3f} "
                 f"{r['bytes_source']:<10} {_fmt(None if bound is None else bound * 1e3, '.1f'):>9} "
                 f"{_fmt(r['ratio_to_lower_bound'], '.2f'):>8} {_fmt(r['overlap'], '.1%'):>8} "
-                f"{_fmt(r.get('cpu_s_per_iter'), '.3f'):>10}")
+                f"{_fmt(r.get('cpu_s_per_iter'), '.3f'):>10} {_fmt(_state_mb(r), '.1f'):>11}")
     return "\n".join(lines)
+
+
+def _state_mb(result: dict) -> float | None:
+    """The largest optimizer state one rank holds, MB."""
+    by_rank = result.get("optimizer_state_bytes_by_rank")
+    return max(by_rank) / 1e6 if by_rank else None
 
 
 def plot(report: dict, path: Path) -> None:

@@ -10,11 +10,16 @@ Modes: ``compute-only`` (no sync: the plain module on this rank's batch; the pro
 the timings after the timed loop), ``torch-ddp``
 (torch.nn.parallel.DistributedDataParallel), ``poseidon-ps`` (PoseidonDDP(hybrid=False)) and
 ``poseidon-hybrid`` (PoseidonDDP(hybrid=True)), and ``poseidon-ps-python`` (PS-only on the Python
-core, the native core's reference). All modes use gloo, initialised from the env variables
-RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+core, the native core's reference). The optimizer (``--optimizer``, SGD with momentum or AdamW) is the
+user's own in those modes; three more modes shard it: ``ddp-zero`` (torch DDP +
+ZeroRedundancyOptimizer(overlap_with_ddp=True), stepped in the comm hook by ``hook_with_zero_step``;
+torch refuses that overlap on gloo, pytorch#62300, so on gloo ZeRO steps after backward),
+``poseidon-server`` (PoseidonDDP hybrid + ServerOptimizer: the owners apply the update) and
+``poseidon-server-lazy`` (the same with ``lazy_pull=True``: the pulls overlap the next forward).
+All modes use gloo, initialised from the env variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
 Invariants:
-- An iteration is: zero_grad, forward, loss, backward, SGD step. The batch is built before the clock
+- An iteration is: zero_grad, forward, loss, backward, optimizer step. The batch is built before the clock
   starts. Warm-up iterations are untimed; one barrier separates warm-up from the timed loop, which itself
   has no barrier; the per-rank times are gathered after the loop, and an iteration's time is the slowest
   rank's.
@@ -51,11 +56,13 @@ from torch import nn
 
 from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, profile
 
-MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python")
+MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero",
+         "poseidon-server", "poseidon-server-lazy")
 DEFAULT_MODES = MODES[:4]
-POSEIDON_MODES = MODES[2:]
-LEARNING_RATE = 0.01
-MOMENTUM = 0.9
+POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "poseidon-server", "poseidon-server-lazy")
+SERVER_MODES = ("poseidon-server", "poseidon-server-lazy")
+OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.01, momentum=0.9)),
+              "adamw": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01))}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -70,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--result", type=Path, required=True, help="JSON result file (written by rank 0)")
     parser.add_argument("--wire-iface", help="count wire bytes from this interface's tx_bytes")
     parser.add_argument("--trace-dir", help="PoseidonDDP trace directory (poseidon modes)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
@@ -80,14 +88,14 @@ def wrapper_for(args: argparse.Namespace) -> Callable[[nn.Module], nn.Module]:
     """The function that wraps the module for ``args.mode`` (imports PoseidonDDP only when needed)."""
     if args.mode == "compute-only":
         return lambda module: module
-    if args.mode == "torch-ddp":
+    if args.mode in ("torch-ddp", "ddp-zero"):
         return nn.parallel.DistributedDataParallel
     try:
         from poseidon_torch import PoseidonDDP
     except ImportError as exc:
         raise RuntimeError(f"mode {args.mode} needs poseidon_torch.PoseidonDDP, "
                            f"which is not importable: {exc}") from exc
-    hybrid = args.mode == "poseidon-hybrid"
+    hybrid = args.mode == "poseidon-hybrid" or args.mode in SERVER_MODES
     engine = "python" if args.mode == "poseidon-ps-python" else "native"
     return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=args.timeout, trace_dir=args.trace_dir,
                                       engine=engine)
@@ -98,6 +106,36 @@ def init_process_group(timeout: float) -> tuple[int, int]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
     return rank, world
+
+
+def make_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
+    """The run's optimizer: the user's own on the whole model, or sharded (ZeRO, or PoseidonDDP's servers)."""
+    cls, kwargs = OPTIMIZERS[args.optimizer]
+    if args.mode == "ddp-zero":
+        from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # torch refuses the overlap on gloo ("may meet hangs", pytorch#62300): there ZeRO steps after backward
+        overlap = dist.get_backend() != "gloo"
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, overlap_with_ddp=overlap, **kwargs)
+        if overlap:
+            model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
+        return zero
+    if args.mode in SERVER_MODES:
+        from poseidon_torch import ServerOptimizer
+
+        return ServerOptimizer(model, cls, lazy_pull=args.mode == "poseidon-server-lazy", **kwargs)
+    return cls(model.parameters(), **kwargs)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds."""
+    if hasattr(optimizer, "local_state_bytes"):
+        return optimizer.local_state_bytes()
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's partition
+    return sum(v.numel() * v.element_size() for state in inner.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor))
 
 
 def read_tx_bytes(iface: str) -> int:
@@ -115,7 +153,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[
 
 def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, rank: int) -> dict:
     """Warm up, then time ``args.iters`` iterations; this rank's raw measurements."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    optimizer = make_optimizer(args, model)
     for step in range(args.warmup):
         train_step(model, optimizer, workload.make_batch(rank, step), workload.loss_fn)
     if dist.is_initialized():
@@ -133,7 +171,8 @@ def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, r
     tx_end = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
     return {"times": times, "losses": losses, "api_bytes_per_iter": api_bytes / args.iters,
             "wire_bytes_per_iter": (tx_end - tx_start) / args.iters,
-            "cpu_s_per_iter": (cpu_seconds() - cpu_start) / args.iters}
+            "cpu_s_per_iter": (cpu_seconds() - cpu_start) / args.iters,
+            "optimizer_state_bytes": optimizer_state_bytes(optimizer)}
 
 
 def cpu_seconds() -> float:
@@ -168,7 +207,8 @@ def summarise(args: argparse.Namespace, records: list[dict], workload: Workload,
         "samples_per_s": world * workload.batch_size / median,
         "bytes_per_iter_per_host": mean_bytes, "bytes_source": source, "bytes_per_iter_by_rank": per_rank_bytes,
         "cpu_s_per_iter": sum(r["cpu_s_per_iter"] for r in records),
-        "losses_rank0": records[0]["losses"],
+        "losses_rank0": records[0]["losses"], "optimizer": args.optimizer,
+        "optimizer_state_bytes_by_rank": [r["optimizer_state_bytes"] for r in records],
     }
     if args.mode in POSEIDON_MODES:
         result["comm_stats_bytes_per_iter_by_rank"] = [r["api_bytes_per_iter"] for r in records]
