@@ -1,6 +1,9 @@
 """Train a small VGG-like CNN with PoseidonDDP (and, with --compare-ddp, torch DDP in the same run).
 
-    torchrun --nproc_per_node 2 examples/train.py [--steps 30] [--batch 32] [--compare-ddp]
+    torchrun --nproc_per_node 2 examples/train.py [--steps 30] [--batch 32] [--compare-ddp] [--server]
+
+With --server both runs use AdamW, and PoseidonDDP's is a ServerOptimizer: the KV-store shards hold
+the optimizer state (1/P of it each) and apply the update; the example prints the state per rank.
 
 The data are synthetic but learnable: each class is a fixed random 32x32 image plus noise, so the loss
 falls within a few dozen steps. Prints loss and samples/s; rank 0 prints the summary.
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from poseidon_torch import PoseidonDDP
+from poseidon_torch import PoseidonDDP, ServerOptimizer
 
 NUM_CLASSES = 10
 
@@ -45,7 +48,7 @@ def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list
     torch.manual_seed(0)
     model = small_vgg(args.fc_width)
     wrapped = PoseidonDDP(model) if wrapper == "poseidon" else DDP(model)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.02, momentum=0.9)
+    opt = make_optimizer(wrapper, wrapped, args.server)
     times = []
     for step in range(args.steps):
         x, y = synthetic_batch(step, args.batch, rank)
@@ -61,7 +64,24 @@ def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             rate = args.batch * world / times[-1]
             print(f"[{wrapper}] step {step:3d}  loss {loss.item():.4f}  {rate:8.1f} samples/s", flush=True)
+    if args.server:
+        print(f"[{wrapper}] rank {rank}: optimizer state {state_bytes(opt) / 1e6:.2f} MB", flush=True)
     return times[args.warmup:]
+
+
+def make_optimizer(wrapper: str, wrapped: nn.Module, server: bool) -> torch.optim.Optimizer:
+    """SGD with momentum; with ``server``, AdamW, run by PoseidonDDP's shards for PoseidonDDP."""
+    if not server:
+        return torch.optim.SGD(wrapped.parameters(), lr=0.02, momentum=0.9)
+    if wrapper == "poseidon":
+        return ServerOptimizer(wrapped, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+    return torch.optim.AdamW(wrapped.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    if isinstance(opt, ServerOptimizer):
+        return opt.local_state_bytes()
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
 
 
 def main() -> None:
@@ -71,6 +91,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="samples per rank")
     parser.add_argument("--fc-width", type=int, default=1024)
     parser.add_argument("--compare-ddp", action="store_true", help="also train with torch DDP and compare")
+    parser.add_argument("--server", action="store_true", help="AdamW; PoseidonDDP's run by its parameter servers")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -278,7 +278,7 @@ class PoseidonDDP(nn.Module, Joinable):
         finally:
             engine.end_forward()
         if engine.server is not None:  # the last step's values not read by this forward, and its close
-            engine.settle() if synced else engine.drain()
+            engine.settle(output) if synced else engine.drain(output)
         if synced:
             engine.arm(output)
         if self.recorder.active:

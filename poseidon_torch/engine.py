@@ -19,7 +19,11 @@ native) owns what happens per parameter and per bucket inside a pass.
   which finishes it as *aborted*: every remaining bucket still runs its collectives, so all ranks stay
   in step, but nothing is written back, and a peer that did finish its backward raises a
   ``SyncError`` saying so instead of waiting for a timeout;
-- ``torch.autograd.grad`` never starts a sync: it accumulates nothing.
+- ``torch.autograd.grad`` never starts a sync: it accumulates nothing;
+- in parameter-server mode (a ServerOptimizer) the jobs apply the update and carry new values; once the
+  buckets are learned, a pass is *deferred*: ``backward()`` returns while its jobs run, each layer's
+  forward pre-hook waits for its bucket and copies its values in, and the pass *settles* (every job
+  done, every value applied, closed) at the end of the next synced forward or at ``step()``.
 """
 from __future__ import annotations
 
@@ -99,7 +103,9 @@ class Deferred:
     pass_: Pass
     facts: PassFacts
     applied: list[bool]
+    versions: dict[int, int]  #: every parameter's version when backward returned
     drained: bool = False
+    after: list = field(default_factory=list)  #: what waits for the drain (a deferred zero_grad)
 
 
 def drive(phases: Generator[str, None, object]) -> object:
@@ -304,6 +310,8 @@ class Engine:
         # not a joined rank's shadow jobs
         native_ps = [ctx.path == PS and self.paths[PS] is self._ps and not shadow and self.server is None
                      for ctx in p.contexts]
+        if self.server is not None:
+            self.server.begin_pass()
         self.core.begin_pass(committed, native_ps, self.recorder.active)
         self._pass = self._jobs_pass = p
         if queue_end:
@@ -346,7 +354,7 @@ class Engine:
         self._guarded(p, partial(_wait_exchange, exchange))
         facts = self.coordinator.observe(everyone.view(self.world_size, -1), len(self.buckets))
         if may_defer and not facts.aborted and not any(facts.late):
-            self._deferred = Deferred(p, facts, [False] * len(self.buckets))
+            self._deferred = Deferred(p, facts, [False] * len(self.buckets), {id(q): q._version for q in self.params})
             with self._lock:
                 self._pass = None
                 if self._round is p.round:
@@ -413,6 +421,11 @@ class Engine:
         passes): chunks re-planned for the optimizer, shards built, per-layer waits hooked."""
         if self.server is not None:
             raise RuntimeError("this PoseidonDDP already has a ServerOptimizer")
+        described = self._control.all_gather_objects(facade.describe())
+        for rank, other in enumerate(described):
+            if other != described[0]:
+                raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank} (class, lazy_pull, param "
+                                 f"groups or hyperparameters): {described[0]} vs {other}")
         self.settle()
         self._ps.aligned = facade.aligned
         self._ps.flags_to_owners = True
@@ -428,6 +441,7 @@ class Engine:
         for module in {id(m): m for ms in self._modules_of.values() for m in ms}.values():
             self._server_hooks.append(module.register_forward_pre_hook(self._before_layer, prepend=True))
             self._server_hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
+            self._server_hooks.append(module.register_load_state_dict_pre_hook(self._before_load))
 
     def _server_state(self) -> dict:
         """The whole optimizer state, on every rank (collective)."""
@@ -442,23 +456,37 @@ class Engine:
     def _before_layer(self, module: nn.Module, args: tuple) -> None:
         """A layer's forward begins: its new parameter values first (forward pre-hook)."""
         deferred = self._deferred
-        if deferred is None:
+        if deferred is None or deferred.drained:
             return
         for index in self._buckets_of_module.get(id(module), ()):
             if not deferred.applied[index]:
                 self._guarded(deferred.pass_, partial(self._wait_bucket, index))
-                self._apply(index)
-                deferred.applied[index] = True
+                self._apply(index, deferred)
 
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.drain()
+
+    def _before_load(self, module: nn.Module, *args) -> None:
+        """Loading parameters: the last step's values must land first, not over what is loaded."""
         self.drain()
 
     def _wait_bucket(self, index: int) -> None:
         raise_outcome(*self.core.wait_bucket(index, self.timeout))
 
-    def _apply(self, index: int) -> None:
-        """Bucket ``index``'s new parameter values into the parameters (its job is done)."""
+    def _apply(self, index: int, deferred: Deferred | None = None) -> None:
+        """Bucket ``index``'s new parameter values into the parameters (its job is done). For a
+        deferred pass, a parameter written since backward returned is an error: the new value was
+        computed from the old one."""
         bucket = self.buckets[index]
+        if deferred is not None:
+            deferred.applied[index] = True
+            for name, p in zip(bucket.param_names, bucket.params):
+                if p._version != deferred.versions[id(p)]:
+                    error = SyncError(f"parameter {name!r} was written after backward() while its new value was still "
+                                      "pending (ServerOptimizer with lazy_pull=True): call model.synchronize() before "
+                                      "writing parameters between steps")
+                    self.failure = error
+                    raise error
         if self._streams is not None:
             torch.cuda.current_stream().wait_event(bucket.done_event)
         apply_values(bucket)
@@ -467,21 +495,44 @@ class Engine:
         """A deferred pass's jobs may still run (and read ``.grad``)."""
         return self._deferred is not None and not self._deferred.drained
 
-    def drain(self) -> None:
-        """Wait for every job of a deferred pass and apply every new value (local, no collective)."""
+    def after_drain(self, fn) -> None:
+        """Run ``fn`` once the deferred pass's jobs are done (training thread)."""
+        self._deferred.after.append(fn)
+
+    def drain(self, output: object = None) -> None:
+        """Wait for every job of a deferred pass and apply every new value (local, no collective).
+        ``output``: the forward that just ran; a parameter it read before its new value arrived (read
+        outside the forward of every module holding it) is an error."""
         deferred = self._deferred
         if deferred is None or deferred.drained:
             return
         self._guarded(deferred.pass_, self._wait_jobs)
-        for index, applied in enumerate(deferred.applied):
-            if not applied:
-                self._apply(index)
+        late = [index for index, applied in enumerate(deferred.applied) if not applied]
+        if output is not None and late:
+            self._check_not_read(output, late)
+        for index in late:
+            self._apply(index, deferred)
         deferred.drained = True
+        for fn in deferred.after:
+            fn()
 
-    def settle(self) -> None:
+    def _check_not_read(self, output: object, late: list[int]) -> None:
+        names = {id(p): name for index in late for name, p in zip(self.buckets[index].param_names,
+                                                                   self.buckets[index].params)}
+        tensors, _ = tree_flatten(output)
+        for param in _leaves_of([t for t in tensors if isinstance(t, torch.Tensor)]):
+            if id(param) in names:
+                error = SyncError(f"parameter {names[id(param)]!r} was read in a forward before its new value had "
+                                  "arrived: it is read outside the forward of the module that holds it (as "
+                                  "nn.MultiheadAttention reads out_proj.weight, or F.linear(x, self.head.weight)); "
+                                  "lazy_pull=True waits per module, so use lazy_pull=False for this model")
+                self.failure = error
+                raise error
+
+    def settle(self, output: object = None) -> None:
         """Drain a deferred pass and close it (stats, tracing, learning: may be collective, so only at
         points every rank reaches: the end of a synced forward, the optimizer's step)."""
-        self.drain()
+        self.drain(output)
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
             self._close(deferred.pass_, deferred.facts)
@@ -586,21 +637,25 @@ class Engine:
                 grew = True
         if self._learned and not grew:
             return
-        mine = (self.core.order, self.core.order_ns, self._job_cost()) if self.rank == 0 else None
-        order, order_ns, cost = self._control.broadcast_object(mine, src=0)
+        mine = (self.core.order, self.core.order_ns) if self.rank == 0 else None
+        everyone = self._control.all_gather_objects((mine, [b.sync_seconds for b in self.buckets]))
+        order, order_ns = everyone[0][0]
         layers, ready_s = readiness_order(self.layers, order, [t / 1e9 for t in order_ns])
+        cost = self._job_cost([min(seconds) for seconds in zip(*(s for _, s in everyone))])
         groups = group_layers(layers, self.fusion_bytes, self.coordinator.wanted_solo(), ready_s, cost)
         self._learned = True
         self._install(build_buckets(groups, self.staged, self._fc_of))
 
-    def _job_cost(self) -> JobCost:
+    def _job_cost(self, seconds: list[float]) -> JobCost:
         """Seconds per sync job of a bucket of n bytes, fitted (Theil-Sen) to what this pass's jobs
-        took: latency, software and bandwidth as they really are, contention with backward included.
-        Too few distinct sizes, or a fit that does not grow with the size, fall back to the link model."""
+        took (``seconds`` per bucket: the least over the ranks, the rank that came last to a job did
+        not wait for its peers): latency, software and bandwidth as they really are, contention with
+        backward included. Too few distinct sizes, or a fit that does not grow with the size, fall back
+        to the link model."""
         link_cost = JobCost(self.link.alpha_s * ps_messages(self.world_size),
                             self.link.beta_s_per_byte * 2 * (self.world_size - 1) / self.world_size)
         with contextlib.suppress(ValueError):
-            alpha, beta = theil_sen([b.nbytes for b in self.buckets], [b.sync_seconds for b in self.buckets])
+            alpha, beta = theil_sen([b.nbytes for b in self.buckets], seconds)
             if beta > 0:
                 return JobCost(max(alpha, link_cost.alpha_s), beta)
         return link_cost
@@ -619,6 +674,20 @@ class Engine:
                 handle.remove()
         for layer in self.fc.values():
             layer.remove()
+
+
+def _leaves_of(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The leaf tensors an autograd graph accumulates into."""
+    seen, stack = set(), [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            yield variable
+        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _wait_exchange(exchange) -> None:

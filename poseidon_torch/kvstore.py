@@ -15,6 +15,11 @@ Each phase runs in P - 1 staggered rounds (round i: send to rank + i, receive fr
 carries two flows at once: without it, P - 1 pushes converge on an owner's link at the same moment, which
 overflows a shaped switch queue and stalls TCP on retransmission timeouts.
 
+With a ServerOptimizer (``server.py``) the owner also applies the update between aggregation and pull,
+so the pull carries parameter values; for that, every rank also sends its used and aborted flags to
+each owner (``flags_to_owners``), and optimizers that read whole parameters get chunks aligned to them
+(``aligned``).
+
 The message schedule of a bucket (every send, receive and add, as views of its flat buffer and of the
 owner's receive buffers) is computed once, when the bucket is built. Bytes sent by one rank for a chunk of
 b bytes: b if it is not the owner, (P - 1) b if it is: 2 (P - 1) b per chunk over all ranks, so with

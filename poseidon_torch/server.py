@@ -29,6 +29,7 @@ import inspect
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ from .kvstore import Chunk, PSPath
 from .pools import ChannelGroups
 
 #: torch optimizers whose update of an element reads only that element's gradient and state: their
-#: chunks may cut parameters anywhere. Any other class sees whole parameters.
+#: chunks may cut parameters anywhere. Any other class (subclasses of these included: a LARS written
+#: as a subclass of SGD rescales per parameter) sees whole parameters.
 ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
     "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD"))
 #: optimizers that cannot run on shards: a closure re-evaluating the whole model, or sparse gradients
@@ -53,7 +55,7 @@ def chunks_must_align(optimizer_class: type) -> bool:
     if issubclass(optimizer_class, REFUSED):
         raise ValueError(f"{optimizer_class.__name__} cannot run on parameter-server shards (it needs a closure "
                          "over the whole model or sparse gradients); use it with PoseidonDDP's default mode")
-    return not issubclass(optimizer_class, ELEMENTWISE)
+    return optimizer_class not in ELEMENTWISE
 
 
 @dataclass(eq=False)
@@ -109,16 +111,17 @@ class BucketShard:
             inner_groups = [{**_hyper(facade.param_groups[g]), "params": by_group[g]} for g in self.groups]
             self.inner = facade.optimizer_class(inner_groups, **facade.init_kwargs)
 
-    def step(self, grads: Sequence[Tensor | None], out: Tensor) -> None:
+    def step(self, grads: Sequence[Tensor | None], out: Tensor, hyper: Sequence[dict]) -> None:
         """Step every piece whose gradient is given (None: not stepped), starting from the live
-        parameter, and write every piece's value into its place in ``out`` (a bucket's flat buffer)."""
+        parameter, with the hyperparameters ``hyper`` (per user param group), and write every piece's
+        value into its place in ``out`` (a bucket's flat buffer)."""
         if self.inner is None:
             return
         for piece, grad in zip(self.pieces, grads):
             piece.tensor.copy_(piece.live())
             piece.tensor.grad = grad
         for inner_group, g in zip(self.inner.param_groups, self.groups):
-            inner_group.update(_hyper(self.facade.param_groups[g]))
+            inner_group.update(hyper[g])
         if any(grad is not None for grad in grads):
             self.inner.step()
         for piece in self.pieces:
@@ -201,6 +204,12 @@ class Server:
         self.facade = facade
         self.world_size = world_size
         self.shards: dict[int, BucketShard] = {}
+        self.hyper: list[dict] = []  #: the pass's hyperparameters per user param group
+
+    def begin_pass(self) -> None:
+        """A synced pass opens: its updates use the hyperparameters in effect now (an LR scheduler
+        stepped after ``step()`` must not reach jobs of this pass that are still running)."""
+        self.hyper = [_hyper(g) for g in self.facade.param_groups]
 
     def install(self, buckets: Sequence[Bucket], ps: PSPath, rank: int) -> None:
         """Pieces for ``buckets``: the chunks this rank owns, or every parameter of an FC bucket."""
@@ -241,6 +250,11 @@ class ServerPath:
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
         yield "gather"
         bucket.gather(ctx.aborted, ctx.shadow)
+        if not ctx.shadow:  # torch steps every parameter that has a .grad (zeros too): so do the owners
+            flags = bucket.flat[bucket.grad_numel:-1]
+            for j, p in enumerate(bucket.params):
+                if p.grad is not None:
+                    flags[j] = 1
         yield "network"
         self.ps.push(bucket, groups)
         flags = self.ps.owner_flags(bucket)
@@ -252,7 +266,7 @@ class ServerPath:
             used = (flags[:-1] > 0).tolist()
             grads = [None if aborted or not used[piece.position] else piece.view_of(bucket.flat)
                      for piece in shard.pieces]
-            shard.step(grads, bucket.flat)
+            shard.step(grads, bucket.flat, self.server.hyper)
         yield "network"
         self.ps.pull(bucket, groups)
         bucket.bytes_sent = self.ps.bytes_sent(bucket)
@@ -274,25 +288,20 @@ class LocalUpdatePath:
         yield "update"
         shard = self.server.shard(bucket)
         used = bucket.used_anywhere.tolist()
-        shard.step([piece.param.grad if used[piece.position] else None for piece in shard.pieces], bucket.flat)
-        flags = bucket.flat[bucket.grad_numel:]
-        flags[:-1].copy_(bucket.used_anywhere)
-        flags[-1] = 0
-        for p in bucket.params:
-            p.grad = None
+        shard.step([piece.param.grad if used[piece.position] else None for piece in shard.pieces], bucket.flat,
+                   self.server.hyper)
         return True
 
 
 def consume(bucket: Bucket) -> bool:
     """After a server sync (the flat buffer holds new values and the summed flags): the used flags;
-    the local gradients are spent (None), or kept as unsynced when some rank aborted (False)."""
+    ``.grad`` stays as it is (the user's ``zero_grad()`` clears it, as before any optimizer step);
+    False when some rank aborted (local gradients stay unsynced)."""
     flags = bucket.flat[bucket.grad_numel:] > 0
     bucket.used_anywhere.copy_(flags[:-1])
     if flags[-1]:
         bucket.dirty |= bucket.seen
         return False
-    for p in bucket.params:
-        p.grad = None
     bucket.dirty.zero_()
     return True
 
@@ -336,6 +345,12 @@ class ServerOptimizer(torch.optim.Optimizer):
         #: the defaults the class takes as arguments (the groups carry every hyperparameter anyway)
         self.init_kwargs = {k: v for k, v in defaults.items() if k in accepted}
         optimizable = [p for g in self.param_groups for p in g["params"]]
+        trainable = {id(p) for p in model.module.parameters() if p.requires_grad}
+        outside = [i for i, p in enumerate(optimizable) if id(p) not in trainable]
+        if outside:
+            raise ValueError(f"ServerOptimizer optimizes the trainable parameters of the model it serves; "
+                             f"parameter(s) {outside[:8]} (in param group order) are not among them (keep "
+                             "parameters outside the model, e.g. a learnable loss weight, in an optimizer of their own)")
         self.key_of = {id(p): i for i, p in enumerate(optimizable)}
         self.group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         self._shapes = {i: p.shape for i, p in enumerate(optimizable)}
@@ -345,6 +360,7 @@ class ServerOptimizer(torch.optim.Optimizer):
             raise ValueError("ServerOptimizer must optimize every trainable parameter of the model; "
                              f"missing: {missing[:8]}")
         self._inner_probe()
+        self._initialized = True
         model.attach_server(self)
 
     def _inner_probe(self) -> None:
@@ -352,6 +368,18 @@ class ServerOptimizer(torch.optim.Optimizer):
         probe = [{**_hyper(g), "params": [torch.zeros(1, dtype=g["params"][0].dtype)]} for g in self.param_groups
                  if g["params"]]
         self.optimizer_class(probe, **self.init_kwargs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_initialized", False):
+            raise NotImplementedError("ServerOptimizer.add_param_group after construction is not supported: the "
+                                      "shards are planned over the model's parameters once; construct it with all groups")
+        super().add_param_group(param_group)
+
+    def describe(self) -> tuple:
+        """What every rank must agree on (checked across ranks when the model attaches this)."""
+        groups = [(repr(sorted(_hyper(g).items())), [self.key_of[id(p)] for p in g["params"]])
+                  for g in self.param_groups]
+        return f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}", self.lazy_pull, groups
 
     @property
     def server(self) -> Server:
@@ -367,10 +395,12 @@ class ServerOptimizer(torch.optim.Optimizer):
             self.model.synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The server spends the gradients of every synced backward; this clears what is left (local
-        gradients of an aborted step). While a lazy pull is under way its jobs may still be reading
-        ``.grad``: nothing is left then, and nothing is touched."""
-        if self.model.engine.deferred_pending():
+        """As any optimizer's (``.grad`` keeps what backward accumulated, as before a plain optimizer's
+        ``step()``; it is not the average). While a lazy pull is under way its jobs may still be reading
+        ``.grad``: the clearing then waits until they are done (before the next forward returns)."""
+        engine = self.model.engine
+        if engine.deferred_pending():
+            engine.after_drain(partial(torch.optim.Optimizer.zero_grad, self, set_to_none))
             return
         super().zero_grad(set_to_none)
 

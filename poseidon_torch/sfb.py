@@ -31,7 +31,6 @@ Invariants (SFB only where it is exact):
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -223,20 +222,21 @@ class _Use:
     """One detached call: its input V and, once a backward reached it, its output gradient U and the
     graph task (backward pass) that produced U."""
 
-    __slots__ = ("input", "grad_output", "task", "__weakref__")
+    __slots__ = ("input", "grad_output", "task", "round", "__weakref__")
 
-    def __init__(self, x: Tensor) -> None:
+    def __init__(self, x: Tensor, round_: int) -> None:
         self.input = x
         self.grad_output: Tensor | None = None
         self.task = -1
+        self.round = round_
 
 
 class FCLayer:
     """The calls of one FC module: rows per round (K), detached calls' factors, readiness, facts.
 
-    A use lives as long as the autograd graph of its call (its record hangs on the output's gradient
-    hook), so a second backward through a retained graph finds its input again, and nothing outlives
-    the graph."""
+    A use hangs on its call's output gradient hook, so a second backward through a retained graph finds
+    its input again; once a backward reached it, the layer also holds it until the sync job of that
+    backward consumed it (which may run after the graph is gone)."""
 
     def __init__(self, name: str, module: nn.Module, spec: FCSpec,
                  in_forward: Callable[[], bool], in_synced_forward: Callable[[], bool]) -> None:
@@ -251,7 +251,11 @@ class FCLayer:
         self.on_factors: Callable[[FCLayer, Tensor], None] | None = None
         self.engine_hooks = 0  #: post-accumulate-grad hooks the engine's core keeps on each parameter
         self._in_forward, self._in_synced_forward = in_forward, in_synced_forward
-        self._uses: list[weakref.ref[_Use]] = []
+        #: uses a backward reached, held until their sync job consumed them: in parameter-server mode
+        #: the job may run after backward() returned and the graph (which holds the uses) is gone.
+        #: Uses no sync job consumes (reached by ``autograd.grad``) go two rounds later.
+        self.recorded: list[_Use] = []
+        self._rounds = 0
         self._witness: Tensor | None = None
         self._calls: list[bool | None] = []
         with torch.enable_grad():
@@ -267,7 +271,8 @@ class FCLayer:
     def begin_round(self, commit: bool) -> None:
         """A new round of synced forwards begins (the previous one was backpropagated)."""
         self.commit, self.k_round, self._witness = commit, 0, None
-        self._uses = [ref for ref in self._uses if ref() is not None]
+        self._rounds += 1
+        self.recorded = [use for use in self.recorded if use.round >= self._rounds - 1]
 
     # ---- forward hooks ------------------------------------------------------------------------
 
@@ -304,8 +309,7 @@ class FCLayer:
         target = hook_target(output, same_elements=True)
         if target is None:  # a view whose base is not just the output: give the output its own storage
             output = target = output.clone()
-        use = _Use(x.detach())
-        self._uses.append(weakref.ref(use))
+        use = _Use(x.detach(), self._rounds)
         target.register_hook(_UseRecorder(self, use))
         return output
 
@@ -363,8 +367,7 @@ class FCLayer:
 
     def local_factors(self, task: int) -> tuple[Tensor, Tensor]:
         """(U, V) of the detached calls that backward pass ``task`` reached, in the parameters' dtype."""
-        uses = [use for use in (ref() for ref in self._uses)
-                if use is not None and use.task == task and use.grad_output is not None]
+        uses = [use for use in list(self.recorded) if use.task == task and use.grad_output is not None]
         if not uses:
             return self.weight.new_empty((0, self.m)), self.weight.new_empty((0, self.n))
         dtype = self.weight.dtype
@@ -374,9 +377,10 @@ class FCLayer:
 
     def consume(self, task: int) -> None:
         """Drop the output gradients pass ``task`` recorded (a retained graph records them anew)."""
-        for use in (ref() for ref in self._uses):
-            if use is not None and use.task == task:
+        for use in list(self.recorded):
+            if use.task == task:
                 use.grad_output = None
+        self.recorded = [use for use in self.recorded if use.grad_output is not None]
 
     def exact_locally(self, bucket: Bucket) -> bool:
         """Whether this rank's local gradient of the layer in this pass is exactly its captured factors
@@ -421,7 +425,7 @@ class FCLayer:
         self.restore()
         for handle in self._handles:
             handle.remove()
-        self._uses = []
+        self.recorded = []
         self._witness = None
 
 
@@ -445,6 +449,8 @@ class _UseRecorder:
                 "'PS'} (or hybrid=False) to avoid this error when such penalties start later in training.")
         self.use.grad_output = grad
         self.use.task = torch._C._current_graph_task_id()
+        if not any(use is self.use for use in self.layer.recorded):
+            self.layer.recorded.append(self.use)  # until its sync job consumes it: the graph may go first
 
 
 def fc_layers(layers: list[Layer], model: nn.Module, in_forward: Callable[[], bool],

@@ -21,11 +21,12 @@ OPTIMIZERS = {
 }
 
 
-class LARS(torch.optim.Optimizer):
-    """A layer-wise optimizer (the trust ratio reads the whole parameter), as LARS and LAMB are."""
+class LARS(torch.optim.SGD):
+    """A layer-wise optimizer (the trust ratio reads the whole parameter), as LARS and LAMB are; a
+    subclass of an elementwise one, as such optimizers often are."""
 
     def __init__(self, params, lr: float = 0.1) -> None:
-        super().__init__(params, dict(lr=lr))
+        super().__init__(params, lr=lr)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -58,7 +59,7 @@ def make_optimizer(wrapped: nn.Module, model: nn.Module, wrapper: str, name: str
 
 def train(rank: int, world_size: int, spec: ModelSpec, wrapper: str, optimizer: str, steps: int, size: int,
           groups: str = "one", schedule: bool = False, lazy: bool = False, options: dict | None = None,
-          accumulate: int = 1) -> dict:
+          accumulate: int = 1, set_to_none: bool = True) -> dict:
     """Train with ``wrapper`` in ("server", "ddp", "zero"); returns the final state and, for the
     server, the optimizer state bytes of this rank and the paths its buckets took."""
     torch.manual_seed(0)
@@ -71,13 +72,14 @@ def train(rank: int, world_size: int, spec: ModelSpec, wrapper: str, optimizer: 
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if schedule else None
     outcomes = []
     for step in range(steps):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         for micro in range(accumulate):
             x, y = batch(spec, step * accumulate + micro, size, world_size)
             last = micro == accumulate - 1
             with contextlib.nullcontext() if last else wrapped.no_sync():
-                out = wrapped(shard(x, rank, size), use_side=spec.rank0_branch and rank == 0)
-                F.mse_loss(out, shard(y, rank, size)).backward()
+                # nothing keeps the graph alive once backward returns (as in most training loops)
+                F.mse_loss(wrapped(shard(x, rank, size), use_side=spec.rank0_branch and rank == 0),
+                           shard(y, rank, size)).backward()
         opt.step()
         if scheduler is not None:
             scheduler.step()
@@ -210,7 +212,11 @@ def refusals(rank: int, world_size: int) -> dict:
 
     capture("lbfgs", lambda: ServerOptimizer(wrapped, torch.optim.LBFGS, lr=0.1))
     capture("subset", lambda: ServerOptimizer(wrapped, torch.optim.SGD, [next(model.parameters())], lr=0.1))
+    outside = torch.nn.Parameter(torch.ones(1))
+    capture("outside", lambda: ServerOptimizer(wrapped, torch.optim.SGD, [*model.parameters(), outside], lr=0.1))
+    capture("per_rank_lr", lambda: ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1 * (1 + rank)))
     opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1)
+    capture("add_group", lambda: opt.add_param_group({"params": [outside]}))
     capture("closure", lambda: opt.step(lambda: 0.0))
     capture("join", lambda: wrapped.join())
     x, y = batch(spec, 0, 2, world_size)
@@ -225,3 +231,43 @@ def refusals(rank: int, world_size: int) -> dict:
     errors["after"] = "trained"
     wrapped.close()
     return errors
+
+
+def lazy_writes(rank: int, world_size: int) -> dict:
+    """With lazy pulls: loading an earlier state after step() wins over the pending values (as it would
+    after a plain optimizer's step); an in-place write to a parameter while its value is pending is a
+    clear error, not a silent overwrite."""
+    spec = ModelSpec(widths=(8,))
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, lazy_pull=True)
+    x, y = batch(spec, 0, 2, world_size)
+
+    def step() -> None:
+        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()
+    earlier = {k: v.clone() for k, v in wrapped.state_dict().items()}
+    step()
+    wrapped.load_state_dict(earlier)
+    with torch.no_grad():
+        rolled_back = all(torch.equal(wrapped(x[:1]), model_at(spec, earlier)(x[:1])) for _ in range(1))
+    step()
+    with torch.no_grad():
+        next(model.parameters()).clamp_(-0.1, 0.1)
+    try:
+        wrapped(shard(x, rank, 2))
+        error = "no error"
+    except RuntimeError as exc:
+        error = str(exc)
+    wrapped.close()
+    return {"rolled_back": rolled_back, "error": error}
+
+
+def model_at(spec: ModelSpec, state: dict) -> nn.Module:
+    model = build(spec, seed=0)
+    model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
+    return model

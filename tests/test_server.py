@@ -71,20 +71,25 @@ def test_hybrid_models_match_ddp(cluster, spec, optimizer, lazy):
     assert "SFB" in results[0]["server"]["outcomes"][-1].values()
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["step-waits", "lazy-pull"])
 @pytest.mark.parametrize("env", CORES)
-def test_matches_ddp_and_zero_with_groups_and_scheduler(cluster, env):
+def test_matches_ddp_and_zero_with_groups_and_scheduler(cluster, env, lazy):
+    """The scheduler steps right after step(): with lazy pulls the jobs still run then, and must use
+    the hyperparameters of their own step."""
     spec = ModelSpec(widths=(24, 16), conv_channels=(3,), batchnorm=True, bias=False)
     results = cluster.run(server_workers.train_against, spec, ("ddp", "zero"), "adamw", 5, 3,
-                          dict(groups="two", schedule=True, options={"chunk_bytes": 256}), env=env)
+                          dict(groups="two", schedule=True, lazy=lazy, options={"chunk_bytes": 256}), env=env)
     assert_same_parameters(results, ("ddp", "zero"))
 
 
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-none", "grads-zeroed"])
 @pytest.mark.parametrize("lazy", [False, True], ids=["step-waits", "lazy-pull"])
-def test_gradient_accumulation_and_unused_layers(cluster, lazy):
-    """no_sync accumulation; a layer only rank 0 uses; a layer no rank uses (Adam must not touch it)."""
+def test_gradient_accumulation_and_unused_layers(cluster, lazy, set_to_none):
+    """no_sync accumulation; a layer only rank 0 uses; a layer no rank uses: with .grad None torch's
+    Adam leaves it alone, with .grad zeroed it steps it (weight decay): so must the servers."""
     spec = ModelSpec(widths=(8, 6), unused_branch=True, rank0_branch=True)
     results = cluster.run(server_workers.train_against, spec, ("ddp",), "adam", 3, 2,
-                          dict(accumulate=2, lazy=lazy))
+                          dict(accumulate=2, lazy=lazy, set_to_none=set_to_none))
     assert_same_parameters(results)
 
 
@@ -143,5 +148,15 @@ def test_refusals_are_clear(cluster):
         assert "missing" in result["subset"]
         assert "closure" in result["closure"]
         assert "join" in result["join"]
+        assert "not among them" in result["outside"]
+        assert "differs between rank 0 and rank 1" in result["per_rank_lr"]
+        assert "add_param_group" in result["add_group"]
         assert "second synced backward" in result["second_backward"]
         assert result["after"] == "trained"
+
+
+def test_lazy_pull_writes_are_loaded_or_refused(cluster):
+    results = cluster.run(server_workers.lazy_writes)
+    for result in results:
+        assert result["rolled_back"]
+        assert "written after backward()" in result["error"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -163,9 +164,11 @@ def test_missing_bias_instance_has_no_bias_in_spec():
     assert fc_spec(nn.Linear(2, 3)).bias == "bias"
 
 
-def test_uses_live_exactly_as_long_as_their_graph():
+def test_uses_live_until_consumed_and_no_longer_than_their_graph():
     """The factors of a call stay reachable while its graph may be backpropagated again (retain_graph)
-    and are released with it: the engine adds no memory beyond the graph's lifetime."""
+    and, once a backward reached them, until that backward's sync job consumed them (in parameter-server
+    mode the job may run after the graph is gone); then nothing of them stays. A use no job consumes
+    (reached by autograd.grad) goes two rounds later."""
     module = nn.Linear(4, 3)
     layer = committed(module)
     x = torch.randn(5, 4)
@@ -174,11 +177,21 @@ def test_uses_live_exactly_as_long_as_their_graph():
     first = backward_retain(loss)
     second = backward_retain(loss)
     assert layer.local_factors(first)[0].shape == (0, 3), "U is recorded per pass; the first pass's is overwritten"
-    u, v = layer.local_factors(second)
-    assert u.shape == (5, 3) and torch.equal(v, x)
-    del out, loss, u, v
+    refs = [weakref.ref(use) for use in layer.recorded]
+    del out, loss
     gc.collect()
-    assert all(ref() is None for ref in layer._uses)
+    u, v = layer.local_factors(second)
+    assert u.shape == (5, 3) and torch.equal(v, x), "the graph is gone, the factors are not"
+    layer.consume(second)
+    del u, v
+    gc.collect()
+    assert refs and all(ref() is None for ref in refs) and not layer.recorded
+    x = x.clone().requires_grad_()
+    torch.autograd.grad(module(x).sum(), x)
+    assert len(layer.recorded) == 1
+    layer.begin_round(commit=True)
+    layer.begin_round(commit=True)
+    assert not layer.recorded
 
 
 def backward_retain(loss: torch.Tensor) -> int:
