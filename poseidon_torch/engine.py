@@ -432,14 +432,21 @@ class Engine:
         self.server = Server(facade, self.world_size)
         self._server_path = ServerPath(self._ps, self.server)
         self._local_update = {name: LocalUpdatePath(path, self.server) for name, path in self.paths.items()}
+        # a module's forward waits for the parameters of its whole subtree (nn.MultiheadAttention reads
+        # out_proj.weight itself); the root's would wait for everything, so it waits for its own only
         self._modules_of: dict[int, list[nn.Module]] = {}
+        holders = []
         for module in self._module.modules():
-            for param in module._parameters.values():
-                if param is not None and id(param) in self._slot:
-                    self._modules_of.setdefault(id(param), []).append(module)
+            own = [p for p in module._parameters.values() if p is not None and id(p) in self._slot]
+            reads = own if module is self._module else [p for p in module.parameters() if id(p) in self._slot]
+            for param in reads:
+                self._modules_of.setdefault(id(param), []).append(module)
+            if reads:
+                self._server_hooks.append(module.register_forward_pre_hook(self._before_layer, prepend=True))
+            if own:
+                holders.append(module)
         self._install(self.buckets)
-        for module in {id(m): m for ms in self._modules_of.values() for m in ms}.values():
-            self._server_hooks.append(module.register_forward_pre_hook(self._before_layer, prepend=True))
+        for module in holders:
             self._server_hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
             self._server_hooks.append(module.register_load_state_dict_pre_hook(self._before_load))
 

@@ -271,3 +271,39 @@ def model_at(spec: ModelSpec, state: dict) -> nn.Module:
     model = build(spec, seed=0)
     model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
     return model
+
+
+class AttentionNet(nn.Module):
+    """nn.MultiheadAttention reads its out_proj's weight itself (out_proj's forward never runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.head(a + h)
+
+
+def attention_lazy(rank: int, world_size: int, fusion_bytes: int) -> dict:
+    """Lazy pulls on a model with attention, against DDP + the same optimizer (SGD: MultiheadAttention's
+    key bias has an exactly zero gradient, which Adam would amplify from summation noise)."""
+    states = {}
+    for wrapper in ("server", "ddp"):
+        torch.manual_seed(3)
+        model = AttentionNet()
+        wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=fusion_bytes) if wrapper == "server" else DDP(model)
+        opt = make_optimizer(wrapped, model, wrapper, "sgd", "one", lazy=True)
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(2 * world_size, 5, 6, generator=g), torch.randn(2 * world_size, 5, 3, generator=g)
+            F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+        if wrapper == "server":
+            wrapped.close()
+        states[wrapper] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return states

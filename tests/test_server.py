@@ -160,3 +160,11 @@ def test_lazy_pull_writes_are_loaded_or_refused(cluster):
     for result in results:
         assert result["rolled_back"]
         assert "written after backward()" in result["error"]
+
+
+@pytest.mark.parametrize("fusion_bytes", [0, 4 << 20], ids=["layer-buckets", "learned-buckets"])
+def test_lazy_pull_waits_for_parameters_a_parent_module_reads(cluster, fusion_bytes):
+    results = cluster.run(server_workers.attention_lazy, fusion_bytes)
+    for result in results:
+        for name, value in result["ddp"].items():
+            torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)
