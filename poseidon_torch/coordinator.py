@@ -68,6 +68,8 @@ class Coordinator:
         self.solo: set[str] = set()  #: FC layers that have a bucket of their own
         self.learned = False         #: the buckets are learned (fixed from now on)
         self.passes = 0              #: synced passes observed
+        #: parameter-server mode: an SFB layer's owners update it, and its new values are pulled
+        self.pull_values = False
         self._warned: set[str] = set()
 
     def check_overrides(self, layer_names: Sequence[str]) -> None:
@@ -151,9 +153,19 @@ class Coordinator:
         ps_bytes, ps_seconds = predict_ps(nbytes, self.world_size, self.link)
         if not self.learned:
             ps_seconds = self.link.beta_s_per_byte * ps_bytes
-        _, sfb_seconds = predict_sfb(self.k_max[name], layer.m, layer.n, layer.weight.element_size(),
-                                     self.world_size, self.link, self.gemm_flops)
+        _, sfb_seconds = self._predict_sfb(layer)
         return sfb_seconds < ps_seconds
+
+    def _predict_sfb(self, layer: FCLayer) -> tuple[float, float]:
+        """(bytes per rank, seconds) of the layer's SFB sync at last pass's K; in parameter-server mode
+        with the pull of its new values (the pull half of a PS sync)."""
+        sent, seconds = predict_sfb(self.k_max[layer.name], layer.m, layer.n, layer.weight.element_size(),
+                                    self.world_size, self.link, self.gemm_flops)
+        if self.pull_values:
+            nbytes = sum(p.numel() for p in layer.params) * layer.weight.element_size()
+            pulled = ps_bytes_per_rank(nbytes, self.world_size) / 2
+            sent, seconds = sent + pulled, seconds + self.link.seconds(pulled, self.world_size - 1)
+        return sent, seconds
 
     # ---- the printable plan ---------------------------------------------------------------------
 
@@ -170,10 +182,8 @@ class Coordinator:
                       bucket.name in self.overrides, ps_bytes, ps_seconds, None, None)
         if layer is None:
             return row
-        k = self.k_max[layer.name]
-        sfb_bytes, sfb_seconds = predict_sfb(k, layer.m, layer.n, layer.weight.element_size(),
-                                             self.world_size, self.link, self.gemm_flops)
-        return PlanRow(row.name, row.kind, row.shape, k, row.path, row.forced, ps_bytes, ps_seconds,
+        sfb_bytes, sfb_seconds = self._predict_sfb(layer)
+        return PlanRow(row.name, row.kind, row.shape, self.k_max[layer.name], row.path, row.forced, ps_bytes, ps_seconds,
                        sfb_bytes, sfb_seconds)
 
 

@@ -46,7 +46,7 @@ from .graph import hook_target
 from .kvstore import PSPath, ps_messages
 from .link import LinkModel, theil_sen
 from .pools import Groups, StreamPool
-from .server import LocalUpdatePath, Server, ServerPath, apply_values, merge_exports
+from .server import SFBUpdatePath, Server, ServerPath, apply_values, merge_exports
 from .sfb import FCLayer, SFBPath, fc_layers
 from .trace import Recorder
 
@@ -431,7 +431,8 @@ class Engine:
         self._ps.flags_to_owners = True
         self.server = Server(facade, self.world_size)
         self._server_path = ServerPath(self._ps, self.server)
-        self._local_update = {name: LocalUpdatePath(path, self.server) for name, path in self.paths.items()}
+        self._sfb_update = SFBUpdatePath(self.paths[SFB], self._ps, self.server)
+        self.coordinator.pull_values = True
         # a module's forward waits for the parameters of its whole subtree (nn.MultiheadAttention reads
         # out_proj.weight itself); the root's would wait for everything, so it waits for its own only
         self._modules_of: dict[int, list[nn.Module]] = {}
@@ -585,11 +586,11 @@ class Engine:
         bucket.sync_seconds = time.monotonic() - start
 
     def _path(self, bucket: Bucket, name: str):
-        """The path that syncs ``bucket`` this pass: the coordinator's choice, with the server's update
-        in parameter-server mode (at the owners on PS, on every rank for an FC bucket)."""
+        """The path that syncs ``bucket`` this pass: the coordinator's choice, with the update at the
+        owners in parameter-server mode."""
         if self.server is None:
             return self.paths[name]
-        return self._local_update[name] if bucket.fc is not None else self._server_path
+        return self._sfb_update if name == SFB else self._server_path
 
     @contextlib.contextmanager
     def _device_stream(self, bucket: Bucket, channel: int):

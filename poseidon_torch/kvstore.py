@@ -117,6 +117,7 @@ class Schedule:
     #: with ``flags_to_owners``, on a rank that owns a chunk: every rank's flags in rank order
     flags: list[torch.Tensor] = field(default_factory=list)
     bytes_sent: int = 0
+    pull_bytes: int = 0  #: of which the pull
 
 
 class PSPath:
@@ -154,6 +155,9 @@ class PSPath:
 
     def bytes_sent(self, bucket: Bucket) -> int:
         return self._schedules[id(bucket)].bytes_sent
+
+    def pull_bytes(self, bucket: Bucket) -> int:
+        return self._schedules[id(bucket)].pull_bytes
 
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
         """Average ``bucket``'s gradients over all ranks; yields the phases as they begin. ``ctx``
@@ -234,6 +238,8 @@ class PSPath:
         if self.flags_to_owners and rank in owners:
             schedule.flags = [flags if peer == rank else inbox[(None, peer)] for peer in range(size)]
         schedule.bytes_sent = sum(t.numel() * t.element_size() for round_ in schedule.push + schedule.pull
+                                  for is_send, t, _, _ in round_ if is_send)
+        schedule.pull_bytes = sum(t.numel() * t.element_size() for round_ in schedule.pull
                                   for is_send, t, _, _ in round_ if is_send)
         return schedule
 

@@ -4,9 +4,10 @@ With a :class:`ServerOptimizer`, a bucket's sync no longer hands averaged gradie
 - :class:`ServerPath` (buckets on the PS path): push, aggregate exactly P parts, then the *owner* of each
   chunk runs the user's optimizer on that chunk with the chunk's optimizer state (which only it holds),
   and the pull carries new **parameter values** instead of gradients;
-- :class:`LocalUpdatePath` (FC buckets, which may take SFB): every rank rebuilds the full averaged
-  gradient anyway, so every rank applies the update to the whole layer with identical state (no pull
-  needed, no extra bytes; the state of FC layers is replicated, not sharded);
+- :class:`SFBUpdatePath` (an FC layer on SFB): every rank rebuilds the full averaged gradient, the
+  owners of the layer's chunks apply the update, and the pull (the second half of a PS sync) carries
+  the new values: the state stays sharded, at (P-1)/P of the layer's bytes per rank per step, which
+  the coordinator charges to SFB in this mode;
 - either way the new values wait in the bucket's flat buffer; the engine copies them into the parameters
   on the training thread: in the forward pre-hook of the layer that owns them, or when it settles the pass.
 
@@ -212,14 +213,11 @@ class Server:
         self.hyper = [_hyper(g) for g in self.facade.param_groups]
 
     def install(self, buckets: Sequence[Bucket], ps: PSPath, rank: int) -> None:
-        """Pieces for ``buckets``: the chunks this rank owns, or every parameter of an FC bucket."""
+        """Pieces for ``buckets``: the chunks this rank owns."""
         key_of = self.facade.key_of
-        shards = {}
-        for bucket in buckets:
-            chunks = [Chunk(0, bucket.grad_numel, rank, 0)] if bucket.fc is not None else \
-                [c for c in ps.chunks_of(bucket) if c.owner == rank]
-            shards[id(bucket)] = BucketShard(pieces_of(bucket, chunks, key_of), self.facade)
-        self.shards = shards
+        self.shards = {id(bucket): BucketShard(pieces_of(bucket, [c for c in ps.chunks_of(bucket) if c.owner == rank],
+                                                         key_of), self.facade)
+                       for bucket in buckets}
 
     def shard(self, bucket: Bucket) -> BucketShard:
         return self.shards[id(bucket)]
@@ -274,22 +272,28 @@ class ServerPath:
         return consume(bucket)
 
 
-class LocalUpdatePath:
-    """An FC bucket's sync (PS or SFB, ``inner``), then the update of the whole layer on every rank."""
+class SFBUpdatePath:
+    """An FC layer on SFB (``inner``: the SFB path): the exact average rebuilt on every rank, the update
+    at the owners of the layer's chunks, the new values pulled."""
 
-    def __init__(self, inner: Any, server: Server) -> None:
-        self.inner, self.server = inner, server
+    def __init__(self, inner: Any, ps: PSPath, server: Server) -> None:
+        self.inner, self.ps, self.server = inner, ps, server
         self.name = inner.name
 
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
         synced = yield from self.inner.sync(bucket, groups, ctx)
-        if not synced:
+        if not synced:  # aborted, or no rank used the layer: the same on every rank
             return False
         yield "update"
         shard = self.server.shard(bucket)
         used = bucket.used_anywhere.tolist()
-        shard.step([piece.param.grad if used[piece.position] else None for piece in shard.pieces], bucket.flat,
-                   self.server.hyper)
+        shard.step([piece.param.grad.reshape(-1)[piece.lo:piece.hi].view(piece.tensor.shape)
+                    if used[piece.position] and piece.param.grad is not None else None for piece in shard.pieces],
+                   bucket.flat, self.server.hyper)
+        yield "network"
+        sent = bucket.bytes_sent
+        self.ps.pull(bucket, groups)
+        bucket.bytes_sent = sent + self.ps.pull_bytes(bucket)
         return True
 
 

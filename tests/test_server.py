@@ -103,10 +103,13 @@ def test_forward_waits_for_its_layers_new_values(cluster):
             torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)
 
 
-def test_optimizer_state_is_sharded(cluster):
+@pytest.mark.parametrize("options", [{"hybrid": False}, {"force": "SFB"}], ids=["PS", "SFB"])
+def test_optimizer_state_is_sharded(cluster, options):
+    """Also for FC layers on SFB: their owners update them and the new values are pulled."""
     spec = ModelSpec(in_features=64, widths=(256, 256), out_features=8)
-    results = cluster.run(server_workers.train_against, spec, (), "adamw", 1, 2,
-                          dict(options={"hybrid": False}))
+    results = cluster.run(server_workers.train_against, spec, (), "adamw", 2, 2, dict(options=options))
+    if "force" in options:
+        assert set(results[0]["server"]["outcomes"][-1].values()) == {"SFB"}
     full = server_workers.full_state_bytes(spec, "adamw")
     per_rank = [r["server"]["state_bytes"] for r in results]
     assert abs(sum(per_rank) - full) <= 64 * cluster.world_size  # the whole state, each element once
