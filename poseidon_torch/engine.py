@@ -429,7 +429,7 @@ class Engine:
         self.settle()
         self._ps.aligned = facade.aligned
         self._ps.flags_to_owners = True
-        self.server = Server(facade, self.world_size)
+        self.server = Server(facade)
         self._server_path = ServerPath(self._ps, self.server)
         self._sfb_update = SFBUpdatePath(self.paths[SFB], self._ps, self.server)
         self.coordinator.pull_values = True
@@ -454,7 +454,7 @@ class Engine:
     def _server_state(self) -> dict:
         """The whole optimizer state, on every rank (collective)."""
         exports = self._control.all_gather_objects(self.server.export())
-        return merge_exports(exports, self.server.facade._shapes)
+        return merge_exports(exports, self.server.facade.shapes)
 
     def gather_objects(self, obj: object, to: int) -> list | None:
         """Every rank's ``obj`` on rank ``to`` (collective), None elsewhere."""

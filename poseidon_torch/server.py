@@ -201,9 +201,8 @@ def merge_exports(exports: Iterable[dict], shapes: dict[int, torch.Size]) -> dic
 class Server:
     """This rank's shards: one :class:`BucketShard` per bucket, rebuilt when the buckets change."""
 
-    def __init__(self, facade: ServerOptimizer, world_size: int) -> None:
+    def __init__(self, facade: ServerOptimizer) -> None:
         self.facade = facade
-        self.world_size = world_size
         self.shards: dict[int, BucketShard] = {}
         self.hyper: list[dict] = []  #: the pass's hyperparameters per user param group
 
@@ -357,7 +356,7 @@ class ServerOptimizer(torch.optim.Optimizer):
                              "parameters outside the model, e.g. a learnable loss weight, in an optimizer of their own)")
         self.key_of = {id(p): i for i, p in enumerate(optimizable)}
         self.group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        self._shapes = {i: p.shape for i, p in enumerate(optimizable)}
+        self.shapes = {i: p.shape for i, p in enumerate(optimizable)}  #: per state_dict key
         self._consolidated: dict | None = None
         missing = [n for n, p in model.module.named_parameters() if p.requires_grad and id(p) not in self.key_of]
         if missing:
@@ -418,7 +417,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         exports = self.model.engine.gather_objects(self.server.export(), to)
         self._consolidated = None
         if exports is not None:
-            self._consolidated = merge_exports(exports, self._shapes)
+            self._consolidated = merge_exports(exports, self.shapes)
 
     def state_dict(self) -> dict:
         """torch's optimizer format, after :meth:`consolidate_state_dict` on every rank (this rank ``to``)."""
@@ -440,7 +439,7 @@ class ServerOptimizer(torch.optim.Optimizer):
             group.update(_hyper(saved))
         state = {int(k): v for k, v in state_dict["state"].items()}
         for key, entry in state.items():
-            shape = self._shapes[key]
+            shape = self.shapes[key]
             for name, value in entry.items():
                 if isinstance(value, Tensor) and value.dim() > 0 and value.shape != shape:
                     raise ValueError(f"state {name!r} of parameter {key} has shape {tuple(value.shape)}, "
