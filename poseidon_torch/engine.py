@@ -387,6 +387,10 @@ class Engine:
         if self._streams is not None:
             for bucket in self.buckets:
                 torch.cuda.current_stream().wait_event(bucket.done_event)
+        for layer in self.fc.values():  # SFB averages of this pass: into .grad, unless it was aborted
+            staged = layer.take_staged()
+            if staged is not None and not facts.aborted and self.server is None:
+                layer.add_average(*staged)
         late = [b for b, is_late in zip(self.buckets, facts.late) if is_late]
         if late and self.server is not None:
             self._close_pass(p)

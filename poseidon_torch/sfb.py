@@ -256,6 +256,11 @@ class FCLayer:
         #: Uses no sync job consumes (reached by ``autograd.grad``) go two rounds later.
         self.recorded: list[_Use] = []
         self._rounds = 0
+        #: the average the last SFB sync rebuilt (grad W, grad b), until the engine adds it to ``.grad``
+        #: at the end of a backward that was not aborted, or the server's update consumes it: a sync job
+        #: never writes ``.grad`` itself, so nothing of an aborted backward can land after the user's
+        #: ``zero_grad()``
+        self.staged: tuple[Tensor, Tensor] | None = None
         self._witness: Tensor | None = None
         self._calls: list[bool | None] = []
         with torch.enable_grad():
@@ -413,6 +418,10 @@ class FCLayer:
             p.grad = grad if p.grad is None else p.grad + grad
             bucket.seen[bucket.position[id(p)]] = True
 
+    def take_staged(self) -> tuple[Tensor, Tensor] | None:
+        staged, self.staged = self.staged, None
+        return staged
+
     def add_average(self, grad_w: Tensor, grad_b: Tensor) -> None:
         for p, grad in zip(self.params, (grad_w, grad_b)):
             grad = grad.to(p.dtype)
@@ -523,7 +532,7 @@ class SFBPath:
             return k_max > 0
         yield "rebuild"
         grad_w, grad_b = rebuild_gradients(got.u, got.v, self.world_size, layer.spec)
-        layer.add_average(grad_w.to(bucket.device), grad_b.to(bucket.device))
+        layer.staged = (grad_w.to(bucket.device), grad_b.to(bucket.device))
         return True
 
 

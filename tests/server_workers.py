@@ -307,3 +307,63 @@ def attention_lazy(rank: int, world_size: int, fusion_bytes: int) -> dict:
             wrapped.close()
         states[wrapper] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return states
+
+
+def caught_exception_with_sfb(rank: int, world_size: int, server: bool) -> dict:
+    """Every layer on SFB; at step 1 a hook on the first layer raises (a bad batch, caught on every
+    rank) while the other layers' slowed-down SFB jobs are still rebuilding: nothing of that step may
+    reach the parameters, as with DDP skipping the batch. Default mode and server mode."""
+    from poseidon_torch.coordinator import SFB
+    from poseidon_torch.sfb import SFBPath
+
+    class SlowRebuild(SFBPath):
+        def sync(self, bucket, groups, ctx):
+            phases = super().sync(bucket, groups, ctx)
+            while True:
+                try:
+                    phase = next(phases)
+                except StopIteration as stop:
+                    return stop.value
+                if phase == "rebuild":
+                    time.sleep(0.1)  # the average is written after the user's zero_grad()
+                yield phase
+
+    states = {}
+    for wrapper in ("poseidon", "ddp"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        if wrapper == "ddp":
+            wrapped, opt = DDP(model), torch.optim.SGD(model.parameters(), lr=0.1)
+        else:
+            wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, overrides={"0": SFB, "2": SFB, "4": SFB})
+            engine = wrapped.engine
+            slow = SlowRebuild(engine._ps, world_size, torch.device("cpu"))
+            engine.paths[SFB] = slow
+            opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1) if server else \
+                torch.optim.SGD(model.parameters(), lr=0.1)
+        bad = {"now": False}
+
+        def raise_if_bad(grad):
+            if bad["now"]:
+                raise ValueError("bad batch")
+
+        model[0].weight.register_hook(raise_if_bad)
+        for step in range(3):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+            bad["now"] = step == 1
+            if wrapper == "ddp" and step == 1:
+                continue  # the reference skips the bad batch
+            loss = F.mse_loss(wrapped(x), y)
+            try:
+                loss.backward()
+            except ValueError:
+                opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+        if wrapper == "poseidon":
+            wrapped.synchronize()
+            wrapped.close()
+        states[wrapper] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return states

@@ -171,3 +171,12 @@ def test_lazy_pull_waits_for_parameters_a_parent_module_reads(cluster, fusion_by
     for result in results:
         for name, value in result["ddp"].items():
             torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("server", [False, True], ids=["default-mode", "server-mode"])
+def test_caught_exception_keeps_nothing_of_sfb_syncs_already_under_way(cluster, server):
+    results = cluster.run(server_workers.caught_exception_with_sfb, server)
+    for result in results:
+        for name, value in result["ddp"].items():
+            torch.testing.assert_close(result["poseidon"][name], value, rtol=RTOL, atol=ATOL)
+        assert all(torch.equal(result["poseidon"][k], results[0]["poseidon"][k]) for k in result["poseidon"])
