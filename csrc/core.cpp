@@ -2,7 +2,7 @@
 //
 // Job: count every parameter's gradient down from a hook on its gradient accumulator (no GIL while a
 // pass is open), submit a bucket to its channel the moment it is ready, run the channels on C++
-// threads, run PS jobs (gather, staggered push, aggregate, pull, scatter) on the c10d backends, call
+// threads, run PS jobs (gather, staggered push, aggregate, pull) on the c10d backends, call
 // back into Python (with the GIL) for every other job, and be the BSP barrier with a timeout.
 // Semantics are those of poseidon_torch.core.PythonCore, the reference (its docstring lists them).
 //
@@ -450,11 +450,9 @@ class Core {
     for (auto& messages : b.push) exchange(messages, channel);
     for (auto& a : b.aggregate) aggregate(a);
     for (auto& messages : b.pull) exchange(messages, channel);
-    const int64_t scattered = monotonic_ns();
-    trace(b, "network", network, scattered);
-    scatter(b);
+    read_flags(b);  // the engine scatters the averages into .grad when the backward ends
     const int64_t end = monotonic_ns();
-    trace(b, "scatter", scattered, end);
+    trace(b, "network", network, end);
     trace(b, "sync", start, end);
     std::lock_guard<std::mutex> lock(mu_);
     b.bytes_sent = b.bytes_per_sync;
@@ -520,25 +518,11 @@ class Core {
     a.own.div_(world_size_);
   }
 
-  void scatter(Bucket& b) {
+  void read_flags(Bucket& b) {  // as Bucket.read_flags
     const auto n = static_cast<int64_t>(b.params.size());
     at::Tensor flags = b.flat.narrow(0, b.grad_numel, n + 1).gt(0).to(at::kByte);
     b.used_anywhere.copy_(flags.narrow(0, 0, n));
-    if (flags[n].item<uint8_t>()) {  // some rank aborted: keep the local gradients, unsynced
-      b.dirty.bitwise_or_(b.seen);
-      return;
-    }
-    const auto* used = b.used_anywhere.data_ptr<uint8_t>();
-    auto* dirty = b.dirty.data_ptr<uint8_t>();
-    for (int64_t j = 0; j < n; ++j) {
-      if (!used[j]) continue;
-      at::Tensor param = params_[b.params[j]];
-      at::Tensor averaged = b.flat.narrow(0, b.offsets[j], param.numel()).view(param.sizes());
-      at::Tensor& grad = param.mutable_grad();
-      if (!grad.defined()) grad = at::empty_like(param);
-      grad.copy_(averaged);
-      dirty[j] = 0;
-    }
+    if (flags[n].item<uint8_t>()) b.dirty.bitwise_or_(b.seen);  // some rank aborted: keep them, unsynced
   }
 
   std::vector<at::Tensor> params_;

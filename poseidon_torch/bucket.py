@@ -120,23 +120,27 @@ class Bucket:
         if self.flat.device != self.device:  # staged through host memory: gloo reads it next
             torch.cuda.current_stream(self.device).synchronize()
 
-    def scatter(self, flat: torch.Tensor | None = None) -> bool:
-        """Write the averages back into ``.grad`` of every parameter some rank used; returns False
-        (and writes nothing, keeping local gradients as unsynced) when some rank aborted."""
-        flat = self.flat if flat is None else flat
-        flags = flat[self.grad_numel:] > 0
+    def read_flags(self) -> bool:
+        """After an average (sync thread): which parameters some rank used; False (local gradients kept
+        as unsynced) when some rank aborted. Nothing is written into ``.grad`` here."""
+        flags = self.flat[self.grad_numel:] > 0
         self.used_anywhere.copy_(flags[:-1])
         if flags[-1]:
             self.dirty |= self.seen
             return False
-        for used, (p, averaged) in zip(self.used_anywhere.tolist(), self.views(flat)):
+        return True
+
+    def scatter(self) -> None:
+        """Write the averages back into ``.grad`` of every parameter some rank used (training thread, at
+        the end of a backward that was not aborted: so nothing of an aborted one lands after the
+        user's ``zero_grad()``)."""
+        for used, (p, averaged) in zip(self.used_anywhere.tolist(), self.views()):
             if not used:
                 continue
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             p.grad.copy_(averaged, non_blocking=True)
         self.dirty &= ~self.used_anywhere.bool()
-        return True
 
 
 # ---- grouping layers into buckets ---------------------------------------------------------------

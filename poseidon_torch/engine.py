@@ -387,10 +387,10 @@ class Engine:
         if self._streams is not None:
             for bucket in self.buckets:
                 torch.cuda.current_stream().wait_event(bucket.done_event)
-        for layer in self.fc.values():  # SFB averages of this pass: into .grad, unless it was aborted
-            staged = layer.take_staged()
-            if staged is not None and not facts.aborted and self.server is None:
-                layer.add_average(*staged)
+        start = time.monotonic_ns()
+        self._write_averages(p, facts)
+        if self.recorder.active:
+            self.recorder.add("scatter", "averages", "compute", start, time.monotonic_ns())
         late = [b for b, is_late in zip(self.buckets, facts.late) if is_late]
         if late and self.server is not None:
             self._close_pass(p)
@@ -398,7 +398,8 @@ class Engine:
                             "that bucket's update (reentrant checkpointing or a hook that runs backward again?): "
                             "the late part was not applied")
         for bucket in late:  # a gradient arrived after its bucket's sync: average what .grad holds now
-            drive(self._ps.sync(bucket, self._channels[0], SyncContext(PS, p.task, p.aborted, p.shadow)))
+            if drive(self._ps.sync(bucket, self._channels[0], SyncContext(PS, p.task, p.aborted, p.shadow))):
+                bucket.scatter()
         self._update_stats(p, late)
         if self.recorder.active:
             self._record_pass(p)
@@ -409,6 +410,21 @@ class Engine:
         if facts.aborted and not p.aborted:
             raise SyncError("a peer's backward was aborted (an exception on that rank) in this step: no gradient "
                             "was averaged, local gradients are kept unsynced; skip the step on every rank")
+
+    def _write_averages(self, p: Pass, facts: PassFacts) -> None:
+        """The averages of this pass into ``.grad`` (training thread, after every job): sync jobs never
+        write ``.grad``, so nothing of a backward that raised can land after the user's ``zero_grad()``;
+        an aborted pass keeps its local gradients as unsynced."""
+        staged = {layer.name: layer.take_staged() for layer in self.fc.values()}
+        if self.server is not None or p.shadow:
+            return
+        for bucket in self.buckets:
+            if facts.aborted:
+                bucket.dirty |= bucket.seen
+            elif bucket.outcome in (PS, "SFB->PS"):
+                bucket.scatter()
+            elif bucket.fc is not None and staged.get(bucket.fc.name) is not None:
+                bucket.fc.add_average(*staged[bucket.fc.name])
 
     def _close_pass(self, p: Pass) -> None:
         with self._lock:

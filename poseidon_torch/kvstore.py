@@ -121,7 +121,7 @@ class Schedule:
 
 
 class PSPath:
-    """The sharded KV store's sync of one bucket: gather, push, aggregate, pull, scatter."""
+    """The sharded KV store's sync of one bucket: gather, push, aggregate, pull (the engine scatters)."""
 
     name = "PS"
 
@@ -170,8 +170,7 @@ class PSPath:
         bucket.outcome = self.name
         if ctx.shadow:
             return False
-        yield "scatter"
-        return bucket.scatter()
+        return bucket.read_flags()  # the engine scatters the averages when the backward ends
 
     def average(self, bucket: Bucket, groups: ChannelGroups) -> None:
         """Push, aggregate and pull ``bucket.flat`` in place (the network part of a sync)."""

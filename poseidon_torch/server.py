@@ -286,9 +286,9 @@ class SFBUpdatePath:
         yield "update"
         shard = self.server.shard(bucket)
         used = bucket.used_anywhere.tolist()
-        staged = bucket.fc.take_staged()  # the rebuilt average; None after a fallback to PS (in .grad)
+        staged = bucket.fc.take_staged()  # the rebuilt average; None after a fallback to PS (in the buffer)
         average = dict(zip(map(id, bucket.fc.params), staged)) if staged is not None else \
-            {id(p): p.grad for p in bucket.params}
+            {id(p): view for p, view in bucket.views()}
         shard.step([average[id(piece.param)].reshape(-1)[piece.lo:piece.hi].view(piece.tensor.shape)
                     if used[piece.position] and average[id(piece.param)] is not None else None
                     for piece in shard.pieces], bucket.flat, self.server.hyper)

@@ -309,14 +309,10 @@ def attention_lazy(rank: int, world_size: int, fusion_bytes: int) -> dict:
     return states
 
 
-def caught_exception_with_sfb(rank: int, world_size: int, server: bool) -> dict:
-    """Every layer on SFB; at step 1 a hook on the first layer raises (a bad batch, caught on every
-    rank) while the other layers' slowed-down SFB jobs are still rebuilding: nothing of that step may
-    reach the parameters, as with DDP skipping the batch. Default mode and server mode."""
-    from poseidon_torch.coordinator import SFB
-    from poseidon_torch.sfb import SFBPath
+def slowed(path_class: type, phase_name: str, seconds: float) -> type:
+    """``path_class`` whose jobs pause ``seconds`` when they reach phase ``phase_name``."""
 
-    class SlowRebuild(SFBPath):
+    class Slowed(path_class):
         def sync(self, bucket, groups, ctx):
             phases = super().sync(bucket, groups, ctx)
             while True:
@@ -324,9 +320,20 @@ def caught_exception_with_sfb(rank: int, world_size: int, server: bool) -> dict:
                     phase = next(phases)
                 except StopIteration as stop:
                     return stop.value
-                if phase == "rebuild":
-                    time.sleep(0.1)  # the average is written after the user's zero_grad()
+                if phase == phase_name:
+                    time.sleep(seconds)
                 yield phase
+
+    return Slowed
+
+
+def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: bool) -> dict:
+    """Every layer on ``path``; at step 1 a hook on the first layer raises (a bad batch, caught on
+    every rank) while the other layers' slowed-down jobs still run: nothing of that step may reach the
+    parameters, as with DDP skipping the batch (the jobs finish after the user's zero_grad())."""
+    from poseidon_torch.coordinator import SFB
+    from poseidon_torch.kvstore import PSPath
+    from poseidon_torch.sfb import SFBPath
 
     states = {}
     for wrapper in ("poseidon", "ddp"):
@@ -334,11 +341,14 @@ def caught_exception_with_sfb(rank: int, world_size: int, server: bool) -> dict:
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
         if wrapper == "ddp":
             wrapped, opt = DDP(model), torch.optim.SGD(model.parameters(), lr=0.1)
-        else:
+        elif path == SFB:
             wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, overrides={"0": SFB, "2": SFB, "4": SFB})
             engine = wrapped.engine
-            slow = SlowRebuild(engine._ps, world_size, torch.device("cpu"))
-            engine.paths[SFB] = slow
+            engine.paths[SFB] = slowed(SFBPath, "rebuild", 0.1)(engine._ps, world_size, torch.device("cpu"))
+        else:  # the Python core runs PS jobs through the engine's PS path (the native core in C++)
+            wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, hybrid=False, engine="python")
+            wrapped.engine._ps.__class__ = slowed(PSPath, "network", 0.1)
+        if wrapper == "poseidon":
             opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1) if server else \
                 torch.optim.SGD(model.parameters(), lr=0.1)
         bad = {"now": False}

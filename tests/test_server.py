@@ -173,9 +173,10 @@ def test_lazy_pull_waits_for_parameters_a_parent_module_reads(cluster, fusion_by
             torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("server", [False, True], ids=["default-mode", "server-mode"])
-def test_caught_exception_keeps_nothing_of_sfb_syncs_already_under_way(cluster, server):
-    results = cluster.run(server_workers.caught_exception_with_sfb, server)
+@pytest.mark.parametrize("path,server", [("SFB", False), ("SFB", True), ("PS", False)],
+                         ids=["SFB-default-mode", "SFB-server-mode", "PS-default-mode"])
+def test_caught_exception_keeps_nothing_of_syncs_already_under_way(cluster, path, server):
+    results = cluster.run(server_workers.caught_exception_mid_sync, path, server)
     for result in results:
         for name, value in result["ddp"].items():
             torch.testing.assert_close(result["poseidon"][name], value, rtol=RTOL, atol=ATOL)

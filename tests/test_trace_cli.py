@@ -64,6 +64,7 @@ def rank_spans(rank: int) -> list[Span]:
         add("sync", "fc1", "channel-1", 300 * K, 420 * K, path="PS", bytes=1_000_000)
         add("gather", "fc1", "stream-1", 300 * K, 320 * K)
         add("network", "fc1", "channel-1", 320 * K, 400 * K, path="PS")
+        add("update", "fc1", "channel-1", 400 * K, 410 * K)  # parameter-server mode: not communication
         add("scatter", "fc1", "stream-1", 400 * K, 420 * K)
     return spans
 

@@ -19,6 +19,7 @@ STYLES = {
     "queue": ("queued", "#ccb974", 0.5),
     "gather": ("gather into send buffer", "#64b5cd", 0.5),
     "rebuild": ("SFB rebuild (GEMM)", "#da8bc3", 0.5),
+    "update": ("optimizer step at a shard", "#8c8c8c", 0.5),
     "scatter": ("scatter into .grad", "#dd8452", 0.5),
     "network PS": ("network, PS", "#c44e52", 0.5),
     "network SFB": ("network, SFB", "#8172b2", 0.5),

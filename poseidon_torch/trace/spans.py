@@ -15,8 +15,9 @@ from typing import Any
 #: iteration: forward start to the end of the BSP barrier; queue: a sync job waiting for its channel;
 #: the phases of a sync job, as its path yields them: gather (gradients or factors into the send
 #: buffer, device-to-host on the staged GPU path), network (bytes on the wire), rebuild (SFB's GEMM),
-#: update (the optimizer step at a shard, parameter-server mode), scatter (averages back into
-#: ``.grad``); sync: a whole sync job (args carry ``path`` and ``bytes``).
+#: update (the optimizer step at a shard, parameter-server mode); scatter: every average back into
+#: ``.grad``, on the compute lane at the end of backward; sync: a whole sync job (args carry ``path``
+#: and ``bytes``).
 SPAN_KINDS = ("forward", "backward", "iteration", "queue", "gather", "network", "rebuild", "update", "scatter",
               "sync")
 PHASE_KINDS = ("gather", "network", "rebuild", "update", "scatter")
