@@ -123,21 +123,7 @@ def delayed_pulls(rank: int, world_size: int, delay_s: float) -> dict:
     runs' final states and the seconds this rank's forwards waited for new values."""
     from poseidon_torch.server import ServerPath
 
-    class SlowPull(ServerPath):
-        def sync(self, bucket, groups, ctx):
-            phases = super().sync(bucket, groups, ctx)
-            result = None
-            while True:
-                try:
-                    phase = next(phases)
-                except StopIteration as stop:
-                    result = stop.value
-                    break
-                if phase in ("gather", "update"):  # late to read .grad, late to pull
-                    time.sleep(delay_s)
-                yield phase
-            return result
-
+    slow_pull = slowed(ServerPath, ("gather", "update"), delay_s)  # late to read .grad, late to pull
     spec = ModelSpec(widths=(16, 16), out_features=4)
     states, waited = {}, 0.0
     for wrapper in ("server", "ddp"):
@@ -147,7 +133,7 @@ def delayed_pulls(rank: int, world_size: int, delay_s: float) -> dict:
         for step in range(4):
             if wrapper == "server" and step == 1:  # the buckets are learned: slow every pull from now on
                 engine = wrapped.engine
-                engine._server_path = SlowPull(engine._ps, engine.server)
+                engine._server_path = slow_pull(engine._ps, engine.server)
             x, y = batch(spec, step, 2, world_size)
             start = time.monotonic()
             out = wrapped(shard(x, rank, 2))
@@ -156,11 +142,16 @@ def delayed_pulls(rank: int, world_size: int, delay_s: float) -> dict:
             F.mse_loss(out, shard(y, rank, 2)).backward()
             opt.step()
             opt.zero_grad()
-        if wrapper == "server":
-            wrapped.synchronize()
-            wrapped.close()
-        states[wrapper] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        states[wrapper] = final_state(wrapped, model)
     return {**states, "waited_in_forward": waited}
+
+
+def final_state(wrapped: nn.Module, model: nn.Module) -> dict:
+    """The model's state after the last step (a PoseidonDDP is synchronized and closed first)."""
+    if isinstance(wrapped, PoseidonDDP):
+        wrapped.synchronize()
+        wrapped.close()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def checkpoint_phase(rank: int, world_size: int, spec: ModelSpec, path: str, phase: str) -> dict:
@@ -309,8 +300,8 @@ def attention_lazy(rank: int, world_size: int, fusion_bytes: int) -> dict:
     return states
 
 
-def slowed(path_class: type, phase_name: str, seconds: float) -> type:
-    """``path_class`` whose jobs pause ``seconds`` when they reach phase ``phase_name``."""
+def slowed(path_class: type, phase_names: tuple[str, ...], seconds: float) -> type:
+    """``path_class`` whose jobs pause ``seconds`` when they reach any of ``phase_names``."""
 
     class Slowed(path_class):
         def sync(self, bucket, groups, ctx):
@@ -320,7 +311,7 @@ def slowed(path_class: type, phase_name: str, seconds: float) -> type:
                     phase = next(phases)
                 except StopIteration as stop:
                     return stop.value
-                if phase == phase_name:
+                if phase in phase_names:
                     time.sleep(seconds)
                 yield phase
 
@@ -344,10 +335,10 @@ def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: boo
         elif path == SFB:
             wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, overrides={"0": SFB, "2": SFB, "4": SFB})
             engine = wrapped.engine
-            engine.paths[SFB] = slowed(SFBPath, "rebuild", 0.1)(engine._ps, world_size, torch.device("cpu"))
+            engine.paths[SFB] = slowed(SFBPath, ("rebuild",), 0.1)(engine._ps, world_size, torch.device("cpu"))
         else:  # the Python core runs PS jobs through the engine's PS path (the native core in C++)
             wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, hybrid=False, engine="python")
-            wrapped.engine._ps.__class__ = slowed(PSPath, "network", 0.1)
+            wrapped.engine._ps.__class__ = slowed(PSPath, ("network",), 0.1)
         if wrapper == "poseidon":
             opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1) if server else \
                 torch.optim.SGD(model.parameters(), lr=0.1)
@@ -372,8 +363,5 @@ def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: boo
                 continue
             opt.step()
             opt.zero_grad()
-        if wrapper == "poseidon":
-            wrapped.synchronize()
-            wrapped.close()
-        states[wrapper] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        states[wrapper] = final_state(wrapped, model)
     return states
