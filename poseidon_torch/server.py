@@ -268,7 +268,11 @@ class ServerPath:
         self.ps.pull(bucket, groups)
         bucket.bytes_sent = self.ps.bytes_sent(bucket)
         bucket.outcome = self.name
-        return consume(bucket)
+        # .grad stays as backward left it (zero_grad() clears it, as before any optimizer step)
+        synced = bucket.read_flags()
+        if synced:
+            bucket.dirty.zero_()
+        return synced
 
 
 class SFBUpdatePath:
@@ -297,19 +301,6 @@ class SFBUpdatePath:
         self.ps.pull(bucket, groups)
         bucket.bytes_sent = sent + self.ps.pull_bytes(bucket)
         return True
-
-
-def consume(bucket: Bucket) -> bool:
-    """After a server sync (the flat buffer holds new values and the summed flags): the used flags;
-    ``.grad`` stays as it is (the user's ``zero_grad()`` clears it, as before any optimizer step);
-    False when some rank aborted (local gradients stay unsynced)."""
-    flags = bucket.flat[bucket.grad_numel:] > 0
-    bucket.used_anywhere.copy_(flags[:-1])
-    if flags[-1]:
-        bucket.dirty |= bucket.seen
-        return False
-    bucket.dirty.zero_()
-    return True
 
 
 def apply_values(bucket: Bucket) -> None:
