@@ -3,10 +3,10 @@
 A *layer* is a module that directly owns trainable parameters (split by dtype and device, so a bucket
 never mixes them). Before the first backward, layers are grouped in reverse registration order, small
 neighbours fused; after it, buckets are rebuilt once from the order in which gradients actually became
-ready (rank 0's order, the same on every rank), merging by MG-WFBP's rule: a bucket joins its
-neighbour when the link would still be busy when the neighbour is ready (merging delays nothing), or
-when its transfer time is below the per-job latency; ``fusion_bytes`` caps a bucket. Layers that may
-take the SFB path stay buckets of their own.
+ready (rank 0's order, the same on every rank): the fewest buckets whose simulated pipeline of sync
+jobs ends no later (within one job latency) than any grouping could, so small layers ride with their
+neighbours and only the layers near the end of backward keep short jobs; ``fusion_bytes`` caps a
+bucket. Layers that may take the SFB path stay buckets of their own.
 
 A :class:`Bucket` owns its parameters, its flat buffer, its used flags, its per-pass readiness and its
 CUDA events. Invariants:
@@ -175,49 +175,82 @@ class JobCost:
 
 def group_layers(layers: Sequence[Layer], cap_bytes: int, solo: set[str],
                  ready_s: dict[str, float] | None = None, cost: JobCost | None = None) -> list[list[Layer]]:
-    """Group ``layers`` (in the order their gradients become ready) into buckets.
+    """Group ``layers`` (in the order their gradients become ready) into buckets of neighbours.
 
     Without timings (before the first backward) neighbours are fused while the bucket stays under
     ``cap_bytes``. With ``ready_s`` (seconds from the start of backward at which each layer's last
-    gradient was ready) and the job ``cost``, the links are simulated as one pipeline of sync jobs
-    and a layer joins the open bucket when that does not delay the end of its own sync (the link would
-    be busy until then anyway, or the wait is shorter than the message it saves), or when the open
-    bucket is latency-bound: its transfer time is below the per-job latency (MG-WFBP's rule). Big
-    layers ready well apart stay alone, so their syncs start early. Layers in ``solo`` (SFB
-    candidates) always form a bucket alone; dtypes and devices never mix."""
+    gradient was ready) and the job ``cost``, the sync jobs are simulated as one pipeline on the link
+    and the grouping is the one with the *fewest jobs* whose last sync ends at most one job latency
+    after the earliest end any grouping reaches (:func:`fewest_jobs`): under BSP only the end of the
+    last sync bounds the iteration, so an early layer may wait for its neighbours as long as that
+    wait never reaches the tail. Layers in ``solo`` (SFB candidates) always form a bucket alone;
+    dtypes and devices never mix; no bucket exceeds ``cap_bytes`` unless one layer does."""
+    first = _first_joinable(layers, cap_bytes, solo)
+    if ready_s is None or cost is None:
+        return _fill(layers, first)
+    return fewest_jobs(layers, first, [ready_s[layer.name] for layer in layers], cost)
+
+
+def _first_joinable(layers: Sequence[Layer], cap_bytes: int, solo: set[str]) -> list[int]:
+    """``first[i]``: the smallest j such that ``layers[j:i + 1]`` may form one bucket."""
+    first: list[int] = []
+    for i, layer in enumerate(layers):
+        j, size = i, layer.nbytes
+        if layer.name not in solo:
+            while j > 0 and (prev := layers[j - 1]).name not in solo and prev.kind == layer.kind \
+                    and size + prev.nbytes <= cap_bytes:
+                j, size = j - 1, size + prev.nbytes
+        first.append(j)
+    return first
+
+
+def _fill(layers: Sequence[Layer], first: list[int]) -> list[list[Layer]]:
+    """Greedy: each bucket takes neighbours while it may."""
     groups: list[list[Layer]] = []
-    current: list[Layer] = []
-    link_free = 0.0
+    start = 0
+    for i in range(len(layers)):
+        if first[i] > start:
+            groups.append(list(layers[start:i]))
+            start = i
+    return groups + [list(layers[start:])] if layers else groups
 
-    def close() -> None:
-        nonlocal link_free
-        if ready_s is not None and cost is not None:
-            start = max(ready_s[current[-1].name], link_free)
-            link_free = start + cost.seconds(sum(layer.nbytes for layer in current))
-        groups.append(current)
 
-    def joins(layer: Layer) -> bool:
-        if current[0].name in solo or layer.name in solo or current[0].kind != layer.kind:
-            return False
-        size = sum(x.nbytes for x in current)
-        if size + layer.nbytes > cap_bytes:
-            return False
-        if ready_s is None or cost is None:
-            return True
-        ready = ready_s[layer.name]
-        closed_end = max(ready_s[current[-1].name], link_free) + cost.seconds(size)
-        separate = max(ready, closed_end) + cost.seconds(layer.nbytes)
-        merged = max(ready, link_free) + cost.seconds(size + layer.nbytes)
-        return merged <= separate or cost.beta_s_per_byte * size < cost.alpha_s
+def fewest_jobs(layers: Sequence[Layer], first: list[int], ready: list[float],
+                cost: JobCost) -> list[list[Layer]]:
+    """The fewest contiguous buckets whose simulated last sync ends within ``cost.alpha_s`` of the
+    earliest possible end (a job starts when its last layer is ready and the link is free).
 
+    ``end[k][i]``: the earliest the link is free after syncing ``layers[:i]`` in exactly k jobs. The
+    link-free time only ever delays what follows, so the earliest one is the best prefix (dynamic
+    programming is exact). ``first`` bounds which neighbours may share a bucket."""
+    n = len(layers)
+    if n == 0:
+        return []
+    offset = [0]
     for layer in layers:
-        if current and not joins(layer):
-            close()
-            current = []
-        current.append(layer)
-    if current:
-        close()
-    return groups
+        offset.append(offset[-1] + layer.nbytes)
+
+    def finish(link_free: float, j: int, i: int) -> float:
+        return max(ready[i - 1], link_free) + cost.seconds(offset[i] - offset[j])
+
+    best = [0.0] + [float("inf")] * n  # any number of jobs
+    for i in range(1, n + 1):
+        best[i] = min(finish(best[j], j, i) for j in range(first[i - 1], i))
+    deadline = best[n] + cost.alpha_s
+    end, parents = [0.0] + [float("inf")] * n, []
+    while end[n] > deadline:
+        row, parent = [float("inf")] * (n + 1), [0] * (n + 1)
+        for i in range(1, n + 1):
+            for j in range(first[i - 1], i):
+                if end[j] < float("inf") and (t := finish(end[j], j, i)) < row[i]:
+                    row[i], parent[i] = t, j
+        end = row
+        parents.append(parent)
+    groups, i = [], n
+    for parent in reversed(parents):
+        groups.append(list(layers[parent[i]:i]))
+        i = parent[i]
+    return groups[::-1]
 
 
 def readiness_order(layers: Sequence[Layer], param_order: Sequence[int],

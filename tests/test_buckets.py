@@ -1,6 +1,11 @@
 """Buckets learned from the first backward: rank 0's readiness order, the same buckets on every rank."""
 from __future__ import annotations
 
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 import workers
 from poseidon_torch.bucket import JobCost, Layer, group_layers, readiness_order
 
@@ -36,24 +41,70 @@ def layer(name: str, nbytes: int) -> Layer:
     return Layer(name, None, ((f"{name}.w", FakeParam(nbytes // 4)),))
 
 
-def test_mg_wfbp_merges_only_where_it_delays_nothing_or_saves_latency():
+def names(groups):
+    return [[x.name for x in g] for g in groups]
+
+
+def pipeline_end(groups, ready, cost):
+    """When the last of ``groups``' sync jobs ends, jobs run one at a time, each from when its last
+    layer is ready and the previous one is done."""
+    link_free = 0.0
+    for group in groups:
+        link_free = max(link_free, ready[group[-1].name]) + cost.alpha_s + \
+            cost.beta_s_per_byte * sum(x.nbytes for x in group)
+    return link_free
+
+
+def test_only_the_tail_keeps_short_jobs():
     cost = JobCost(alpha_s=1e-3, beta_s_per_byte=1e-9)  # 1 ms per job, 1 GB/s
     big, small = 4_000_000, 40_000  # 4 ms and 0.04 ms of transfer
     layers = [layer("a", big), layer("b", small), layer("c", small), layer("d", big), layer("e", big)]
     ready = {"a": 0.0, "b": 0.001, "c": 0.0015, "d": 0.020, "e": 0.050}
-    groups = group_layers(layers, cap_bytes=10**9, solo=set(), ready_s=ready, cost=cost)
-    # a's sync runs until 5 ms: b and c, ready meanwhile, ride with a; d comes later (link idle), and
-    # its own transfer is well above the latency: alone; e likewise
-    assert [[x.name for x in g] for g in groups] == [["a", "b", "c"], ["d"], ["e"]]
-    # small layers far apart in time still merge: each message would cost more latency than bytes
-    spread = {"a": 0.0, "b": 0.010, "c": 0.020, "d": 0.030, "e": 0.040}
-    smalls = [layer(n, small) for n in "abcde"]
-    assert len(group_layers(smalls, 10**9, set(), spread, cost)) == 1
-    # the cap and solo layers bound it
-    assert [[x.name for x in g] for g in group_layers(smalls, 2 * small, set(), spread, cost)] == \
-        [["a", "b"], ["c", "d"], ["e"]]
-    assert [[x.name for x in g] for g in group_layers(smalls, 10**9, {"c"}, spread, cost)] == \
-        [["a", "b"], ["c"], ["d", "e"]]
+    # e, ready last, ends at 55 ms whatever comes before it, as long as the link is free by 50 ms: a..d
+    # wait for d and go as one job (ends 29 ms), e alone (one job more would end at 63 ms)
+    assert names(group_layers(layers, 10**9, set(), ready, cost)) == [["a", "b", "c", "d"], ["e"]]
+    # d ready at 49 ms: a..d in one job would hold the link until 58 ms; merged with e, d's transfer
+    # saves a latency instead (ends 59 ms, the best any grouping reaches)
+    late = {**ready, "d": 0.049}
+    assert names(group_layers(layers, 10**9, set(), late, cost)) == [["a", "b", "c"], ["d", "e"]]
+    # the cap, solo layers and mixed kinds bound a bucket
+    assert names(group_layers(layers, big + 2 * small, set(), ready, cost)) == [["a", "b", "c"], ["d"], ["e"]]
+    assert names(group_layers(layers, 10**9, {"c"}, ready, cost)) == [["a", "b"], ["c"], ["d"], ["e"]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4_000_000), st.floats(0, 0.004), st.integers(0, 7).map(lambda v: v == 0)),
+                min_size=1, max_size=8),
+       st.floats(1e-4, 2e-3), st.floats(1e-10, 2e-9), st.integers(1_000_000, 16_000_000))
+def test_fewest_jobs_that_keep_the_best_end(specs, alpha, beta, cap):
+    """Against every contiguous split: the grouping is allowed (cap, solo), its pipeline ends within
+    one latency of the best split's, and no allowed split with fewer jobs does."""
+    cost = JobCost(alpha, beta)
+    layers = [layer(f"l{i}", nbytes) for i, (nbytes, _, _) in enumerate(specs)]
+    ready = dict(zip((x.name for x in layers), itertools.accumulate(gap for _, gap, _ in specs)))
+    solo = {x.name for x, (_, _, alone) in zip(layers, specs) if alone}
+
+    def allowed(group):
+        return len(group) == 1 or (sum(x.nbytes for x in group) <= cap and not solo & {x.name for x in group})
+
+    splits = []
+    for cuts in itertools.product([False, True], repeat=len(layers) - 1):
+        groups, current = [], [layers[0]]
+        for layer_, cut in zip(layers[1:], cuts):
+            if cut:
+                groups.append(current)
+                current = []
+            current.append(layer_)
+        groups.append(current)
+        if all(allowed(g) for g in groups):
+            splits.append(groups)
+    best = min(pipeline_end(s, ready, cost) for s in splits)
+    fewest = min(len(s) for s in splits if pipeline_end(s, ready, cost) <= best + alpha * (1 + 1e-9))
+
+    chosen = group_layers(layers, cap, solo, ready, cost)
+    assert [x for g in chosen for x in g] == layers and all(allowed(g) for g in chosen)
+    assert pipeline_end(chosen, ready, cost) <= best + alpha * (1 + 1e-9)
+    assert len(chosen) == fewest
 
 
 def test_readiness_order_puts_unready_layers_last():
