@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -192,14 +193,18 @@ def group_layers(layers: Sequence[Layer], cap_bytes: int, solo: set[str],
 
 
 def _first_joinable(layers: Sequence[Layer], cap_bytes: int, solo: set[str]) -> list[int]:
-    """``first[i]``: the smallest j such that ``layers[j:i + 1]`` may form one bucket."""
+    """``first[i]``: the smallest j such that ``layers[j:i + 1]`` may form one bucket (one sweep: the
+    window only ever moves right)."""
     first: list[int] = []
+    j = size = 0
     for i, layer in enumerate(layers):
-        j, size = i, layer.nbytes
-        if layer.name not in solo:
-            while j > 0 and (prev := layers[j - 1]).name not in solo and prev.kind == layer.kind \
-                    and size + prev.nbytes <= cap_bytes:
-                j, size = j - 1, size + prev.nbytes
+        prev = layers[i - 1] if i else None
+        if layer.name in solo or prev is None or prev.name in solo or prev.kind != layer.kind:
+            j, size = i, 0
+        size += layer.nbytes
+        while size > cap_bytes and j < i:
+            size -= layers[j].nbytes
+            j += 1
         first.append(j)
     return first
 
@@ -220,36 +225,42 @@ def fewest_jobs(layers: Sequence[Layer], first: list[int], ready: list[float],
     """The fewest contiguous buckets whose simulated last sync ends within ``cost.alpha_s`` of the
     earliest possible end (a job starts when its last layer is ready and the link is free).
 
-    ``end[k][i]``: the earliest the link is free after syncing ``layers[:i]`` in exactly k jobs. The
-    link-free time only ever delays what follows, so the earliest one is the best prefix (dynamic
-    programming is exact). ``first`` bounds which neighbours may share a bucket."""
+    Row k of the dynamic program holds, for every prefix ``layers[:i]``, the earliest the link is free
+    after syncing it in exactly k jobs. The link-free time only ever delays what follows, so the
+    earliest one is the best prefix and the program is exact. ``first`` bounds which neighbours may
+    share a bucket. Vectorised over prefixes (numpy), so thousands of layers take well under a second."""
     n = len(layers)
     if n == 0:
         return []
-    offset = [0]
-    for layer in layers:
-        offset.append(offset[-1] + layer.nbytes)
+    offset = np.concatenate(([0.0], np.cumsum([layer.nbytes for layer in layers], dtype=np.float64)))
+    ready_at = np.concatenate(([0.0], np.asarray(ready, dtype=np.float64)))  # [i]: when layers[i-1] is
+    lo = np.concatenate(([0], np.asarray(first)))  # [i]: the first layer a bucket ending at layers[i-1] may hold
 
-    def finish(link_free: float, j: int, i: int) -> float:
-        return max(ready[i - 1], link_free) + cost.seconds(offset[i] - offset[j])
+    def finish(link_free: np.ndarray, j: np.ndarray, i: np.ndarray) -> np.ndarray:
+        return np.maximum(ready_at[i], link_free) + cost.alpha_s + cost.beta_s_per_byte * (offset[i] - offset[j])
 
-    best = [0.0] + [float("inf")] * n  # any number of jobs
+    best = np.zeros(n + 1)  # any number of jobs; sequential in i, vectorised over the bucket's start
     for i in range(1, n + 1):
-        best[i] = min(finish(best[j], j, i) for j in range(first[i - 1], i))
+        j = np.arange(lo[i], i)
+        best[i] = finish(best[j], j, i).min()
     deadline = best[n] + cost.alpha_s
-    end, parents = [0.0] + [float("inf")] * n, []
+    end, parents = np.full(n + 1, np.inf), []
+    end[0] = 0.0
+    widest = int((np.arange(n + 1) - lo)[1:].max())
     while end[n] > deadline:
-        row, parent = [float("inf")] * (n + 1), [0] * (n + 1)
-        for i in range(1, n + 1):
-            for j in range(first[i - 1], i):
-                if end[j] < float("inf") and (t := finish(end[j], j, i)) < row[i]:
-                    row[i], parent[i] = t, j
+        row, parent = np.full(n + 1, np.inf), np.zeros(n + 1, dtype=np.int64)
+        for size in range(1, widest + 1):  # buckets of ``size`` layers, for every end at once
+            i = np.arange(size, n + 1)
+            j = i - size
+            t = np.where(j >= lo[i], finish(end[j], j, i), np.inf)
+            better = t < row[i]
+            row[i[better]], parent[i[better]] = t[better], j[better]
         end = row
         parents.append(parent)
     groups, i = [], n
     for parent in reversed(parents):
         groups.append(list(layers[parent[i]:i]))
-        i = parent[i]
+        i = int(parent[i])
     return groups[::-1]
 
 
