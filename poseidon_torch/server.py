@@ -325,6 +325,10 @@ class ServerOptimizer(torch.optim.Optimizer):
     ``ZeroRedundancyOptimizer``; ``load_state_dict`` takes torch's format (also a plain optimizer's).
     """
 
+    #: so that a ``torch.amp.GradScaler`` hands its verdict to :meth:`step` (which refuses it) instead
+    #: of unscaling ``.grad`` and stepping: the shards already stepped on the scaled gradients
+    _step_supports_amp_scaling = True
+
     def __init__(self, model: Any, optimizer_class: type, params: Iterable | None = None, *,
                  lazy_pull: bool = False, **defaults: Any) -> None:
         from .ddp import PoseidonDDP
@@ -387,6 +391,14 @@ class ServerOptimizer(torch.optim.Optimizer):
         its new value (unless ``lazy_pull``)."""
         if closure is not None:
             raise ValueError("ServerOptimizer.step() takes no closure: the update runs during backward()")
+        scaled = self.__dict__.pop("found_inf", None) is not None
+        self.__dict__.pop("grad_scale", None)
+        if scaled:
+            raise RuntimeError(
+                "ServerOptimizer does not support torch.amp.GradScaler: the shards apply the update "
+                "during backward(), on the gradients as they arrive, so a scaler can neither unscale them "
+                "nor skip a step with inf/NaN; this backward's update already used the scaled gradients. "
+                "Use bf16 autocast (no scaler), or PoseidonDDP with a plain optimizer and the scaler")
         self._consolidated = None
         if not self.lazy_pull:
             self.model.synchronize()

@@ -217,6 +217,10 @@ def refusals(rank: int, world_size: int) -> dict:
         loss.backward(retain_graph=True)
     capture("second_backward", lambda: loss.backward())
     opt.step()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2))).backward()
+    capture("grad_scaler", lambda: scaler.step(opt))
+    opt.step()
     F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
     opt.step()
     errors["after"] = "trained"

@@ -155,6 +155,7 @@ def test_refusals_are_clear(cluster):
         assert "differs between rank 0 and rank 1" in result["per_rank_lr"]
         assert "add_param_group" in result["add_group"]
         assert "second synced backward" in result["second_backward"]
+        assert "GradScaler" in result["grad_scaler"]
         assert result["after"] == "trained"
 
 
