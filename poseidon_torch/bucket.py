@@ -24,6 +24,7 @@ CUDA events. Invariants:
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -170,6 +171,10 @@ class JobCost:
     alpha_s: float
     beta_s_per_byte: float
 
+    def __post_init__(self) -> None:
+        if not all(math.isfinite(x) and x >= 0 for x in (self.alpha_s, self.beta_s_per_byte)):
+            raise ValueError(f"a sync job's cost needs a finite latency and seconds per byte >= 0, got {self}")
+
     def seconds(self, nbytes: float) -> float:
         return self.alpha_s + self.beta_s_per_byte * nbytes
 
@@ -247,7 +252,7 @@ def fewest_jobs(layers: Sequence[Layer], first: list[int], ready: list[float],
     end, parents = np.full(n + 1, np.inf), []
     end[0] = 0.0
     widest = int((np.arange(n + 1) - lo)[1:].max())
-    while end[n] > deadline:
+    while end[n] > deadline and len(parents) < n:  # n single-layer jobs always fit: at most n rows
         row, parent = np.full(n + 1, np.inf), np.zeros(n + 1, dtype=np.int64)
         for size in range(1, widest + 1):  # buckets of ``size`` layers, for every end at once
             i = np.arange(size, n + 1)

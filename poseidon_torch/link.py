@@ -12,6 +12,7 @@ device.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import warnings
@@ -43,10 +44,18 @@ class LinkModel:
     beta_s_per_byte: float
     source: str = "given"  #: "given", "probed", "environment" or "default (...)"
 
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.alpha_s) and self.alpha_s >= 0):
+            raise ValueError(f"a link's latency must be finite and >= 0 (link= or POSEIDON_LATENCY_US), "
+                             f"got {self.alpha_s * 1e6} us")
+        if not (math.isfinite(self.beta_s_per_byte) and self.beta_s_per_byte >= 0):
+            raise ValueError(f"a link's seconds per byte must be finite and >= 0 (link= or "
+                             f"POSEIDON_BANDWIDTH_GBPS), got {self.beta_s_per_byte}")
+
     @classmethod
     def from_gbps(cls, bandwidth_gbps: float, latency_us: float = 0.0, source: str = "given") -> LinkModel:
         """From a bandwidth in Gbit/s (as Ethernet is rated) and a per-message latency in µs."""
-        if bandwidth_gbps <= 0 or latency_us < 0:
+        if not bandwidth_gbps > 0 or not latency_us >= 0:
             raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {bandwidth_gbps} Gbit/s, "
                              f"{latency_us} us")
         return cls(latency_us * 1e-6, 8.0 / (bandwidth_gbps * 1e9), source)
@@ -65,7 +74,7 @@ class LinkModel:
 
 @dataclass(frozen=True)
 class LinkFit:
-    model: LinkModel
+    model: LinkModel | None  #: None when the timings do not grow with the size
     usable: bool
     reason: str = ""
 
@@ -85,9 +94,9 @@ def fit_link(sizes: Sequence[int], seconds: Sequence[Sequence[float]], world_siz
     a, b = theil_sen(sizes, [statistics.median(s) for s in seconds])
     a = max(a, 0.0)
     steps = 2 * (world_size - 1)
+    if not b > 0:
+        return LinkFit(None, False, "the timings do not grow with the size")
     model = LinkModel(a / steps, b * world_size / steps, "probed")
-    if b <= 0:
-        return LinkFit(model, False, "the timings do not grow with the size")
     low, high = BANDWIDTH_RANGE_GBPS
     if not low <= model.bandwidth_gbps <= high:
         return LinkFit(model, False, f"bandwidth {model.bandwidth_gbps:.3g} Gbit/s is outside {low}..{high}")

@@ -10,6 +10,8 @@ from torch import nn
 
 from poseidon_torch.coordinator import Coordinator, predict_ps, predict_sfb
 from poseidon_torch.kvstore import ps_bytes_per_rank
+from poseidon_torch import link as link_module
+from poseidon_torch.bucket import JobCost
 from poseidon_torch.link import LinkModel, fit_link, probe_gemm_flops, probe_link
 from poseidon_torch.sfb import CHECKPOINTED, HOOKED, FCLayer, fc_spec, sfb_bytes_per_rank
 
@@ -202,6 +204,25 @@ def test_probe_link_reads_the_environment_without_probing(monkeypatch):
     monkeypatch.setenv("POSEIDON_BANDWIDTH_GBPS", "fast")
     with pytest.raises(ValueError, match="POSEIDON_BANDWIDTH_GBPS"):
         probe_link(None, key=None)
+    monkeypatch.delenv("POSEIDON_BANDWIDTH_GBPS")
+    monkeypatch.setitem(link_module._LINK_CACHE, ("probed before", "cpu"), GIGABIT)
+    assert probe_link(None, key="probed before").alpha_s == pytest.approx(20e-6)
+    monkeypatch.setenv("POSEIDON_LATENCY_US", "-50")  # replaces the probed latency: refused as well
+    with pytest.raises(ValueError, match="POSEIDON_LATENCY_US"):
+        probe_link(None, key="probed before")
+
+
+@pytest.mark.parametrize("alpha,beta", [(-1e-4, 1e-9), (float("nan"), 1e-9), (float("inf"), 1e-9),
+                                        (1e-4, -1e-9), (1e-4, float("inf"))])
+def test_a_link_or_job_cost_that_is_negative_or_not_finite_is_refused(alpha, beta):
+    """The bucket grouping simulates jobs with these: a negative latency made it loop forever, an
+    infinite one made it return no buckets at all."""
+    with pytest.raises(ValueError, match="latency|seconds per byte"):
+        LinkModel(alpha, beta)
+    with pytest.raises(ValueError, match="finite latency"):
+        JobCost(alpha, beta)
+    with pytest.raises(ValueError):
+        LinkModel.from_gbps(8e-9 / beta if beta > 0 else beta, alpha * 1e6)
 
 
 def test_link_model_seconds_and_text():
