@@ -238,7 +238,7 @@ def fewest_jobs(layers: Sequence[Layer], first: list[int], ready: list[float],
     if n == 0:
         return []
     offset = np.concatenate(([0.0], np.cumsum([layer.nbytes for layer in layers], dtype=np.float64)))
-    ready_at = np.concatenate(([0.0], np.asarray(ready, dtype=np.float64)))  # [i]: when layers[i-1] is
+    ready_at = np.concatenate(([0.0], np.asarray(ready, dtype=np.float64)))  # [i]: when layers[i-1] is ready
     lo = np.concatenate(([0], np.asarray(first)))  # [i]: the first layer a bucket ending at layers[i-1] may hold
 
     def finish(link_free: np.ndarray, j: np.ndarray, i: np.ndarray) -> np.ndarray:
