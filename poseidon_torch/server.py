@@ -222,13 +222,10 @@ class Server:
         self._grads = {}
 
     def edited_grads(self, params: Iterable[Tensor]) -> list[Tensor]:
-        """The parameters whose ``.grad`` was changed in place since the last synced backward ended."""
-        edited = []
-        for p in params:
-            grad_id, version = self._grads.get(id(p), (None, None))
-            if p.grad is not None and grad_id == id(p.grad) and version != p.grad._version:
-                edited.append(p)
-        return edited
+        """The parameters whose ``.grad`` was changed (in place, or replaced by another tensor) since the
+        last synced backward ended; clearing it is not a change."""
+        return [p for p in params if p.grad is not None and id(p) in self._grads
+                and self._grads[id(p)] != (id(p.grad), p.grad._version)]
 
     def install(self, buckets: Sequence[Bucket], ps: PSPath, rank: int) -> None:
         """Pieces for ``buckets``: the chunks this rank owns."""
@@ -423,10 +420,11 @@ class ServerOptimizer(torch.optim.Optimizer):
             names = {id(p): name for name, p in self.model.module.named_parameters()}
             raise RuntimeError(
                 f"the .grad of {len(edited)} parameters ({', '.join(names.get(id(p), '?') for p in edited[:3])}"
-                f"{', ...' if len(edited) > 3 else ''}) was changed in place between backward() and step() "
-                "(gradient clipping such as clip_grad_norm_, or a manual edit): with ServerOptimizer the "
-                "shards applied the update during backward(), on the gradients as they were, so the change "
-                "cannot act on it. Use PoseidonDDP with a plain optimizer for such a training loop")
+                f"{', ...' if len(edited) > 3 else ''}) was changed in place or replaced between backward() "
+                "and step() (gradient clipping such as clip_grad_norm_, or a manual edit): with "
+                "ServerOptimizer the shards applied the update during backward(), on the gradients as "
+                "they were, so the change cannot act on it. Use PoseidonDDP with a plain optimizer for "
+                "such a training loop")
         self._consolidated = None
         if not self.lazy_pull:
             self.model.synchronize()

@@ -226,6 +226,11 @@ def refusals(rank: int, world_size: int) -> dict:
     capture("clipped", lambda: opt.step())
     opt.zero_grad()
     F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+    for p in model.parameters():
+        p.grad = p.grad.clamp(-1e-3, 1e-3)
+    capture("replaced", lambda: opt.step())
+    opt.zero_grad()
+    F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
     opt.step()
     errors["after"] = "trained"
     wrapped.close()
