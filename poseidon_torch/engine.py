@@ -330,8 +330,6 @@ class Engine:
             p = self._pass
         if p is not None and p.task == task:
             self._finish(p)
-            if self.server is not None:
-                self.server.note_grads(self.params)
 
     # ---- the pass: finish ----------------------------------------------------------------------
 

@@ -205,27 +205,11 @@ class Server:
         self.facade = facade
         self.shards: dict[int, BucketShard] = {}
         self.hyper: list[dict] = []  #: the pass's hyperparameters per user param group
-        self._grads: dict[int, tuple[int, int]] = {}  #: id(param) -> (id(.grad), its version) at backward's end
 
     def begin_pass(self) -> None:
         """A synced pass opens: its updates use the hyperparameters in effect now (an LR scheduler
         stepped after ``step()`` must not reach jobs of this pass that are still running)."""
         self.hyper = [_hyper(g) for g in self.facade.param_groups]
-
-    def note_grads(self, params: Iterable[Tensor]) -> None:
-        """What each ``.grad`` is when a synced backward ends (training thread): the update it fed has
-        run, so a later in-place change (gradient clipping) could only be ignored; see
-        :meth:`edited_grads`."""
-        self._grads = {id(p): (id(p.grad), p.grad._version) for p in params if p.grad is not None}
-
-    def forget_grads(self) -> None:
-        self._grads = {}
-
-    def edited_grads(self, params: Iterable[Tensor]) -> list[Tensor]:
-        """The parameters whose ``.grad`` was changed (in place, or replaced by another tensor) since the
-        last synced backward ended; clearing it is not a change."""
-        return [p for p in params if p.grad is not None and id(p) in self._grads
-                and self._grads[id(p)] != (id(p.grad), p.grad._version)]
 
     def install(self, buckets: Sequence[Bucket], ps: PSPath, rank: int) -> None:
         """Pieces for ``buckets``: the chunks this rank owns."""
@@ -415,16 +399,6 @@ class ServerOptimizer(torch.optim.Optimizer):
                 "during backward(), on the gradients as they arrive, so a scaler can neither unscale them "
                 "nor skip a step with inf/NaN; this backward's update already used the scaled gradients. "
                 "Use bf16 autocast (no scaler), or PoseidonDDP with a plain optimizer and the scaler")
-        edited = self.server.edited_grads(p for group in self.param_groups for p in group["params"])
-        if edited:
-            names = {id(p): name for name, p in self.model.module.named_parameters()}
-            raise RuntimeError(
-                f"the .grad of {len(edited)} parameters ({', '.join(names.get(id(p), '?') for p in edited[:3])}"
-                f"{', ...' if len(edited) > 3 else ''}) was changed in place or replaced between backward() "
-                "and step() (gradient clipping such as clip_grad_norm_, or a manual edit): with "
-                "ServerOptimizer the shards applied the update during backward(), on the gradients as "
-                "they were, so the change cannot act on it. Use PoseidonDDP with a plain optimizer for "
-                "such a training loop")
         self._consolidated = None
         if not self.lazy_pull:
             self.model.synchronize()
@@ -434,7 +408,6 @@ class ServerOptimizer(torch.optim.Optimizer):
         ``step()``; it is not the average). While a lazy pull is under way its jobs may still be reading
         ``.grad``: the clearing then waits until they are done (before the next forward returns)."""
         engine = self.model.engine
-        self.server.forget_grads()
         if engine.deferred_pending():
             engine.after_drain(partial(torch.optim.Optimizer.zero_grad, self, set_to_none))
             return

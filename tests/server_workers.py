@@ -220,16 +220,7 @@ def refusals(rank: int, world_size: int) -> dict:
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2))).backward()
     capture("grad_scaler", lambda: scaler.step(opt))
-    opt.zero_grad()
-    F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    capture("clipped", lambda: opt.step())
-    opt.zero_grad()
-    F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
-    for p in model.parameters():
-        p.grad = p.grad.clamp(-1e-3, 1e-3)
-    capture("replaced", lambda: opt.step())
-    opt.zero_grad()
+    opt.step()
     F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
     opt.step()
     errors["after"] = "trained"

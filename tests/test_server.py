@@ -156,8 +156,6 @@ def test_refusals_are_clear(cluster):
         assert "add_param_group" in result["add_group"]
         assert "second synced backward" in result["second_backward"]
         assert "GradScaler" in result["grad_scaler"]
-        assert "clip_grad_norm_" in result["clipped"] and "changed in place" in result["clipped"]
-        assert "replaced" in result["replaced"]
         assert result["after"] == "trained"
 
 
