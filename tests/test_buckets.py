@@ -67,7 +67,7 @@ def test_only_the_tail_keeps_short_jobs():
     # saves a latency instead (ends 59 ms, the best any grouping reaches)
     late = {**ready, "d": 0.049}
     assert names(group_layers(layers, 10**9, set(), late, cost)) == [["a", "b", "c"], ["d", "e"]]
-    # the cap, solo layers and mixed kinds bound a bucket
+    # the cap and solo layers bound a bucket
     assert names(group_layers(layers, big + 2 * small, set(), ready, cost)) == [["a", "b", "c"], ["d"], ["e"]]
     assert names(group_layers(layers, 10**9, {"c"}, ready, cost)) == [["a", "b"], ["c"], ["d"], ["e"]]
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from poseidon_torch.coordinator import Coordinator, predict_ps, predict_sfb
-from poseidon_torch.kvstore import ps_bytes_per_rank
 from poseidon_torch import link as link_module
 from poseidon_torch.bucket import JobCost
+from poseidon_torch.coordinator import Coordinator, predict_ps, predict_sfb
+from poseidon_torch.kvstore import ps_bytes_per_rank
 from poseidon_torch.link import LinkModel, fit_link, probe_gemm_flops, probe_link
 from poseidon_torch.sfb import CHECKPOINTED, HOOKED, FCLayer, fc_spec, sfb_bytes_per_rank
 
@@ -221,8 +221,14 @@ def test_a_link_or_job_cost_that_is_negative_or_not_finite_is_refused(alpha, bet
         LinkModel(alpha, beta)
     with pytest.raises(ValueError, match="finite latency"):
         JobCost(alpha, beta)
+
+
+
+@pytest.mark.parametrize("gbps,latency_us", [(float("nan"), 50.0), (-1.0, 50.0), (1.0, -50.0),
+                                             (1.0, float("nan")), (1.0, float("inf"))])
+def test_a_link_from_gbps_refuses_bad_figures(gbps, latency_us):
     with pytest.raises(ValueError):
-        LinkModel.from_gbps(8e-9 / beta if beta > 0 else beta, alpha * 1e6)
+        LinkModel.from_gbps(gbps, latency_us)
 
 
 def test_link_model_seconds_and_text():
