@@ -2,7 +2,8 @@
 //
 // Job: count every parameter's gradient down from a hook on its gradient accumulator (no GIL while a
 // pass is open), submit a bucket to its channel the moment it is ready, run the channels on C++
-// threads, run PS jobs (gather, staggered push, aggregate, pull) on the c10d backends, call
+// threads in the engine's channel plan (a split bucket's second slot is submitted when its first ends;
+// the bucket is done when its last slot is), run PS jobs (gather, staggered push, aggregate, pull) on the c10d backends, call
 // back into Python (with the GIL) for every other job, and be the BSP barrier with a timeout.
 // Semantics are those of poseidon_torch.core.PythonCore, the reference (its docstring lists them).
 //
@@ -74,6 +75,7 @@ struct Bucket {
   int64_t pending_count = 0;
   bool pending_factors = false;
   bool submitted = false, late = false, aborted = false, native = false, queued = false, done = false;
+  bool split = false, second_queued = false;  // two slots (schedule.py); the second may run
   int64_t submit_ns = 0;
   // the last native job
   int64_t bytes_sent = 0;
@@ -149,16 +151,27 @@ class Core {
     buckets_.push_back(std::move(b));
   }
 
-  void commit() {  // slots and channel schedules (bucket i goes to channel i mod C, in order)
+  // Parameter slots and the channel plan: per channel, slot keys (i: bucket i's job or first slot,
+  // n + i: its second slot), every bucket's first key exactly once.
+  void commit(const std::vector<std::vector<int64_t>>& schedules) {
     std::lock_guard<std::mutex> lock(mu_);
+    const auto n = static_cast<int64_t>(buckets_.size());
+    TORCH_CHECK(schedules.size() == schedules_.size(), "commit needs one schedule per channel");
+    std::vector<int> firsts(n, 0);
+    for (const auto& keys : schedules) {
+      for (int64_t key : keys) {
+        TORCH_CHECK(key >= 0 && key < 2 * n, "slot key ", key, " outside 0..", 2 * n - 1);
+        if (key < n) ++firsts[key]; else buckets_[key - n].split = true;
+      }
+    }
+    for (int64_t b = 0; b < n; ++b) TORCH_CHECK(firsts[b] == 1, "bucket ", b, " has ", firsts[b], " first slots");
     slot_.assign(params_.size(), {-1, -1});
-    for (auto& s : schedules_) s.clear();
     for (size_t b = 0; b < buckets_.size(); ++b) {
       for (size_t j = 0; j < buckets_[b].params.size(); ++j) {
         slot_[buckets_[b].params[j]] = {static_cast<int64_t>(b), static_cast<int64_t>(j)};
       }
-      schedules_[b % schedules_.size()].push_back(static_cast<int64_t>(b));
     }
+    schedules_ = schedules;
     ++generation_;
     cv_.notify_all();
   }
@@ -179,7 +192,7 @@ class Core {
       b.pending_factors = wait_factors[i];
       std::fill(b.pending.begin(), b.pending.end(), wait_factors[i] ? 0 : 1);
       b.pending_count = wait_factors[i] ? 0 : static_cast<int64_t>(b.params.size());
-      b.submitted = b.late = b.aborted = b.queued = b.done = false;
+      b.submitted = b.late = b.aborted = b.queued = b.done = b.second_queued = false;
       b.native = native[i];
       b.seen.zero_();
     }
@@ -389,22 +402,29 @@ class Core {
     while (true) {
       std::vector<int64_t> schedule;
       uint64_t generation;
+      int64_t n = 0;  // buckets, fixed within a generation
       {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [&] { return stopped_ || !schedules_[c].empty(); });
         if (stopped_) return;
         schedule = schedules_[c];
         generation = generation_;
+        n = static_cast<int64_t>(buckets_.size());
       }
-      for (int64_t index : schedule) {
+      for (int64_t key : schedule) {
+        const bool second = key >= n;
+        const int64_t index = second ? key - n : key;
         {
           std::unique_lock<std::mutex> lock(mu_);
-          cv_.wait(lock, [&] { return stopped_ || generation_ != generation || buckets_[index].queued; });
+          cv_.wait(lock, [&] {
+            return stopped_ || generation_ != generation ||
+                   (second ? buckets_[index].second_queued : buckets_[index].queued);
+          });
           if (stopped_) return;
           if (generation_ != generation) break;
-          buckets_[index].queued = false;
+          (second ? buckets_[index].second_queued : buckets_[index].queued) = false;
         }
-        std::string error = run(index, channels_[c]);
+        std::string error = run(key, index, channels_[c]);
         std::lock_guard<std::mutex> lock(mu_);
         if (!error.empty()) {
           if (!failed_) {
@@ -414,6 +434,11 @@ class Core {
           done_cv_.notify_all();
           return;  // later collectives on this channel would be out of step with the peers
         }
+        if (!second && buckets_[index].split) {
+          buckets_[index].second_queued = true;  // its second slot, on whichever channel holds it
+          cv_.notify_all();
+          continue;
+        }
         buckets_[index].done = true;
         --remaining_;
         done_cv_.notify_all();  // the barrier, or a wait for this one bucket
@@ -421,14 +446,15 @@ class Core {
     }
   }
 
-  std::string run(int64_t index, Channel& channel) {  // the job of one bucket; an error message or ""
+  // Slot ``key`` of bucket ``index``; an error message or "".
+  std::string run(int64_t key, int64_t index, Channel& channel) {
     Bucket& b = buckets_[index];  // its fields are this thread's until the job ends
     try {
-      if (b.native) {
+      if (b.native && !b.split) {
         sync_ps(b, channel);
       } else {
         py::gil_scoped_acquire gil;
-        run_job_(index);
+        run_job_(key);
       }
     } catch (py::error_already_set& e) {
       return e.what();

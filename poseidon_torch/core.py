@@ -6,8 +6,10 @@ does. The *core* owns what happens once per parameter and once per bucket in eve
   submitted to its channel the moment its last gradient (or, for an FC layer on SFB, its factors) is
   ready; an accumulation while no pass is open marks the parameter dirty, or, in *ask* mode (a synced
   backward may be starting), calls the engine's ``on_idle(param)`` to decide;
-- channels (one thread and its process groups each) run their buckets' jobs in a fixed order; a PS
-  job may run inside the core, any other job calls the engine's ``run_job(bucket)``;
+- channels (one thread and its process groups each) run the slots of the engine's channel plan
+  (``schedule.py``) in its fixed order; a PS job may run inside the core, any other slot calls the
+  engine's ``run_job(key)``. A split bucket's second slot is submitted when its first slot ends, and
+  the bucket is done when its second slot is;
 - ``wait`` is the BSP barrier: every job of the pass done, or the first failure, or the timeout.
 
 Two implementations share this interface and these semantics:
@@ -34,7 +36,8 @@ import torch
 from .barrier import BSPBarrier, SyncError, SyncTimeout
 from .bucket import Bucket
 from .kvstore import PSPath
-from .pools import ChannelGroups, SyncChannel, assign_round_robin
+from .pools import ChannelGroups, SyncChannel
+from .schedule import ChannelPlan
 
 OK, FAILED, TIMED_OUT = 0, 1, 2
 FACTORS = -1  #: the readiness event of an FC layer's factors (the other events are parameter slots)
@@ -79,26 +82,27 @@ class PythonCore:
         self.order: list[int] = []      #: parameters in readiness order (rank 0), this pass
         self.order_ns: list[int] = []   #: their ready times, ns after ``begin_pass``
         self._began_ns = 0
-        self.barrier = BSPBarrier(lambda key: f"bucket {self._buckets[key].name!r}")
+        self.barrier = BSPBarrier(lambda key: f"bucket {self._buckets[self._plan.bucket_of(key)].name!r}")
         self._channels = [SyncChannel(i, groups, self._job, self.barrier.fail) for i, groups in enumerate(channels)]
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._accumulated, i))
                        for i, p in enumerate(self._params)]
 
     # ---- configuration (between passes) ---------------------------------------------------------
 
-    def install(self, buckets: Sequence[Bucket], ps: PSPath) -> None:
+    def install(self, buckets: Sequence[Bucket], ps: PSPath, plan: ChannelPlan) -> None:
         """Make ``buckets`` current (between passes); ``ps``: the PS path, whose precomputed schedules
-        a core may run itself (this one runs every job through ``run_job``)."""
+        a core may run itself (this one runs every job through ``run_job``); ``plan``: the slots each
+        channel runs."""
         self._buckets = list(buckets)
+        self._plan = plan
         self._ready = [_Readiness() for _ in buckets]
         self._slot = {}
         for b in self._buckets:
             for j, p in enumerate(b.params):
                 self._slot[id(p)] = (b.index, j)
         self._where = [self._slot[id(p)] for p in self._params]
-        schedules = assign_round_robin(list(range(len(buckets))), len(self._channels))
         self._channel_of = {}
-        for channel, keys in zip(self._channels, schedules):
+        for channel, keys in zip(self._channels, plan.schedules):
             channel.set_schedule(keys)
             self._channel_of.update((key, channel) for key in keys)
 
@@ -233,7 +237,11 @@ class PythonCore:
 
     def _job(self, key: int, groups: ChannelGroups, ready_ns: int) -> None:
         self._run_job(key)
-        self.barrier.arrive(key)
+        if key in self._plan.split:  # a first slot: its bucket's second slot may run now
+            second = key + self._plan.buckets
+            self._channel_of[second].submit(second)
+        else:
+            self.barrier.arrive(self._plan.bucket_of(key))
 
 
 class NativeCore:
@@ -254,7 +262,7 @@ class NativeCore:
         self._buckets: list[Bucket] = []
         self._native: list[bool] = []
 
-    def install(self, buckets: Sequence[Bucket], ps: PSPath) -> None:
+    def install(self, buckets: Sequence[Bucket], ps: PSPath, plan: ChannelPlan) -> None:
         self._buckets = list(buckets)
         self._core.reset_buckets()
         for b in self._buckets:
@@ -262,7 +270,7 @@ class NativeCore:
             self._core.add_bucket(b.name, [self._index[id(p)] for p in b.params], b.offsets, b.grad_numel,
                                   b.flat, b.seen, b.dirty, b.used_anywhere, s.push, s.pull, s.aggregate,
                                   s.bytes_sent)
-        self._core.commit()
+        self._core.commit([list(keys) for keys in plan.schedules])
 
     def set_ask(self, ask: bool) -> None:
         self._core.set_ask(ask)

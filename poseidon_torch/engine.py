@@ -46,6 +46,7 @@ from .graph import hook_target
 from .kvstore import PSPath, ps_messages
 from .link import LinkModel, theil_sen
 from .pools import Groups, StreamPool
+from .schedule import ChannelPlan, Halves, plan_channels, still_syncing_at_end
 from .server import SFBUpdatePath, Server, ServerPath, apply_values, merge_exports
 from .sfb import FCLayer, SFBPath, fc_layers
 from .trace import Recorder
@@ -157,6 +158,8 @@ class Engine:
         self._pass: Pass | None = None
         self._jobs_pass: Pass | None = None  #: the pass whose jobs run (or ran last)
         self._learned = False
+        self._pending_at_end: list[int] = []  #: buckets still syncing at the end of backward (simulated)
+        self._halves: dict[int, tuple[Halves, SyncContext, int]] = {}  #: split jobs whose second slot is due
         self._never_used = {id(p) for p in self.params}  #: by any rank, so far
         self.server: Server | None = None  #: the parameter-server shards, with a ServerOptimizer
         self._deferred: Deferred | None = None
@@ -189,7 +192,8 @@ class Engine:
         self._fc_bucket = {b.fc.name: b for b in buckets if b.fc is not None}
         self.coordinator.buckets_changed(set(self._fc_bucket), self._learned)
         self._ps.prepare(buckets)
-        self.core.install(buckets, self._ps)
+        self.plan = self._channel_plan(len(buckets))
+        self.core.install(buckets, self._ps, self.plan)
         if self.server is not None:
             self.server.install(buckets, self._ps, self.rank)
             self.server.load(full_state)
@@ -202,6 +206,20 @@ class Engine:
                         if index not in indices:
                             indices.append(index)
         self._profile_names = {(b.index, path): f"poseidon.sync.{path}.{b.name}" for b in buckets for path in (PS, SFB)}
+
+    def _channel_plan(self, buckets: int) -> ChannelPlan:
+        """Which slots each channel runs. Parameter-server mode splits jobs at the update: every job
+        when the owners clip by the global norm (it needs every push before any update); with lazy
+        pulls, the jobs still syncing at the end of backward, so the input side is pulled first."""
+        channels = len(self._channels)
+        if self.server is None:
+            return plan_channels(buckets, channels)
+        if self.server.facade.max_grad_norm is not None:
+            return plan_channels(buckets, channels, range(buckets))
+        tail = [i for i in self._pending_at_end if i < buckets]
+        if self.server.facade.lazy_pull and len(tail) > 1:
+            return plan_channels(buckets, channels, tail)
+        return plan_channels(buckets, channels)
 
     # ---- the training thread: forward ----------------------------------------------------------------
 
@@ -444,8 +462,8 @@ class Engine:
         described = self._control.all_gather_objects(facade.describe())
         for rank, other in enumerate(described):
             if other != described[0]:
-                raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank} (class, lazy_pull, param "
-                                 f"groups or hyperparameters): {described[0]} vs {other}")
+                raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank} (class, lazy_pull, max_grad_norm, "
+                                 f"param groups or hyperparameters): {described[0]} vs {other}")
         self.settle()
         self._ps.aligned = facade.aligned
         self._ps.flags_to_owners = True
@@ -585,25 +603,47 @@ class Engine:
 
     # ---- sync jobs (channel threads) --------------------------------------------------------------
 
-    def _run_job(self, index: int) -> None:
-        """The job of bucket ``index`` when the core does not run it itself."""
+    def _run_job(self, key: int) -> None:
+        """Slot ``key`` of the channel plan when the core does not run it itself: a bucket's whole
+        job, or one of its two slots (the path's phases cut where it yields "update")."""
+        index = self.plan.bucket_of(key)
         bucket = self.buckets[index]
-        ctx = self._jobs_pass.contexts[index]  # a deferred pass's jobs run on after it is closed
-        if self.core.aborted(index) and not ctx.aborted:
-            ctx = SyncContext(ctx.path, ctx.task, True, ctx.shadow, ctx.k_pad)
-        channel = index % len(self._channels)
+        channel = self.plan.channel_of(key)
         start = time.monotonic()
+        if self.plan.is_second(key):
+            halves, ctx, ready_ns = self._halves.pop(index)
+            phases, envelope, sent = halves.second(), "pull", (lambda: bucket.bytes_sent)
+        else:
+            ctx = self._jobs_pass.contexts[index]  # a deferred pass's jobs run on after it is closed
+            if self.core.aborted(index) and not ctx.aborted:
+                ctx = SyncContext(ctx.path, ctx.task, True, ctx.shadow, ctx.k_pad)
+            ready_ns = self.core.submit_ns(index)
+            phases, envelope, sent = self._path(bucket, ctx.path).sync(bucket, self._channels[channel], ctx), \
+                "sync", (lambda: bucket.bytes_sent)
+            if index in self.plan.split:
+                halves = Halves(phases, "update")
+                phases, sent = halves.first(), (lambda: 0)  # the bytes are counted once, by the second slot
+        after = bucket.done_event if self.plan.is_second(key) else bucket.ready_event  # CUDA: the first slot's work
         with torch.profiler.record_function(self._profile_names[index, ctx.path]), \
-                self._device_stream(bucket, channel) as stream:
-            phases = self._path(bucket, ctx.path).sync(bucket, self._channels[channel], ctx)
+                self._device_stream(after, channel) as stream:
+            if self.plan.is_second(key) and key == self.plan.first_second_slot:
+                self.server.before_updates(self._channels[channel], len(self.buckets), self.timeout)
             if self.recorder.active:
-                self.recorder.run_job(phases, bucket.name, self._lanes[channel], self.core.submit_ns(index),
-                                      ctx.path, lambda: bucket.bytes_sent)
+                self.recorder.run_job(phases, bucket.name, self._lanes[channel], ready_ns, ctx.path, sent, envelope)
             else:
                 drive(phases)
             if stream is not None:
                 bucket.done_event.record(stream)
-        bucket.sync_seconds = time.monotonic() - start
+        seconds = time.monotonic() - start
+        if self.plan.is_second(key):
+            bucket.sync_seconds += seconds
+            return
+        bucket.sync_seconds = seconds
+        if index in self.plan.split:
+            self._halves[index] = (halves, ctx, time.monotonic_ns())
+            if self.server is not None:
+                self.server.pushed()
+
 
     def _path(self, bucket: Bucket, name: str):
         """The path that syncs ``bucket`` this pass: the coordinator's choice, with the update at the
@@ -613,12 +653,13 @@ class Engine:
         return self._sfb_update if name == SFB else self._server_path
 
     @contextlib.contextmanager
-    def _device_stream(self, bucket: Bucket, channel: int):
+    def _device_stream(self, after, channel: int):
+        """The channel's CUDA stream, ordered after the event ``after`` (None on CPU)."""
         if self._streams is None:
             yield None
             return
         stream = self._streams.for_channel(channel)
-        stream.wait_event(bucket.ready_event)
+        stream.wait_event(after)
         with torch.cuda.stream(stream):
             yield stream
 
@@ -671,6 +712,8 @@ class Engine:
         layers, ready_s = readiness_order(self.layers, order, [t / 1e9 for t in order_ns])
         cost = self._job_cost([min(seconds) for seconds in zip(*(s for _, s in everyone))])
         groups = group_layers(layers, self.fusion_bytes, self.coordinator.wanted_solo(), ready_s, cost)
+        self._pending_at_end = still_syncing_at_end([max(ready_s[layer.name] for layer in group) for group in groups],
+                                                    [sum(layer.nbytes for layer in group) for group in groups], cost)
         self._learned = True
         self._install(build_buckets(groups, self.staged, self._fc_of))
 

@@ -9,7 +9,12 @@ With a :class:`ServerOptimizer`, a bucket's sync no longer hands averaged gradie
   the new values: the state stays sharded, at (P-1)/P of the layer's bytes per rank per step, which
   the coordinator charges to SFB in this mode;
 - either way the new values wait in the bucket's flat buffer; the engine copies them into the parameters
-  on the training thread: in the forward pre-hook of the layer that owns them, or when it settles the pass.
+  on the training thread: in the forward pre-hook of the layer that owns them, or when it settles the pass;
+- both paths stage each piece's averaged gradient before they yield "update", so the engine's channel
+  plan may cut a job there (``schedule.py``): global-norm clipping (``max_grad_norm``) then waits, before
+  the first update of a pass, for every bucket's push and sums the squared norms of the staged pieces
+  over the ranks (each element is in one owned piece), and every update scales its gradients as
+  ``torch.nn.utils.clip_grad_norm_`` would.
 
 A *piece* is the part of one parameter inside one chunk. Each rank's pieces are leaf tensors that its
 per-bucket inner optimizers (the user's class, the user's param groups and hyperparameters) step.
@@ -27,6 +32,8 @@ Invariants:
 from __future__ import annotations
 
 import inspect
+import math
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .barrier import SyncError
 from .bucket import Bucket
 from .kvstore import Chunk, PSPath
 from .pools import ChannelGroups
@@ -108,16 +116,30 @@ class BucketShard:
             by_group[facade.group_of[piece.key]].append(piece.tensor)
         self.groups = sorted(by_group)  #: the user's param groups this bucket's pieces belong to
         self.inner = None
+        self.grads: list[Tensor | None] = [None] * len(pieces)  #: staged for this pass's update
         if pieces:
             inner_groups = [{**_hyper(facade.param_groups[g]), "params": by_group[g]} for g in self.groups]
             self.inner = facade.optimizer_class(inner_groups, **facade.init_kwargs)
 
-    def step(self, grads: Sequence[Tensor | None], out: Tensor, hyper: Sequence[dict]) -> None:
-        """Step every piece whose gradient is given (None: not stepped), starting from the live
-        parameter, with the hyperparameters ``hyper`` (per user param group), and write every piece's
-        value into its place in ``out`` (a bucket's flat buffer)."""
+    def stage(self, grads: Sequence[Tensor | None]) -> None:
+        """This pass's averaged gradient of each piece (None: the piece is not stepped)."""
+        self.grads = list(grads)
+
+    def squared_norm(self) -> float:
+        """Sum of squares of the staged gradients (float64)."""
+        return sum(float(g.double().square().sum()) for g in self.grads if g is not None)
+
+    def step(self, out: Tensor, hyper: Sequence[dict], scale: float | None = None) -> None:
+        """Step every piece with a staged gradient (times ``scale`` when given), starting from the
+        live parameter, with the hyperparameters ``hyper`` (per user param group), and write every
+        piece's value into its place in ``out`` (a bucket's flat buffer)."""
+        grads, self.grads = self.grads, [None] * len(self.pieces)
         if self.inner is None:
             return
+        if scale is not None:
+            for grad in grads:
+                if grad is not None:
+                    grad.mul_(scale)
         for piece, grad in zip(self.pieces, grads):
             piece.tensor.copy_(piece.live())
             piece.tensor.grad = grad
@@ -205,11 +227,45 @@ class Server:
         self.facade = facade
         self.shards: dict[int, BucketShard] = {}
         self.hyper: list[dict] = []  #: the pass's hyperparameters per user param group
+        self.scale: float | None = None  #: the pass's clipping factor, once known
+        self.grad_norm: float | None = None  #: the pass's global gradient norm (clipping), once known
+        self._pushed = 0
+        self._cond = threading.Condition()
 
     def begin_pass(self) -> None:
         """A synced pass opens: its updates use the hyperparameters in effect now (an LR scheduler
         stepped after ``step()`` must not reach jobs of this pass that are still running)."""
         self.hyper = [_hyper(g) for g in self.facade.param_groups]
+        self.scale = None
+        with self._cond:
+            self._pushed = 0
+
+    def pushed(self) -> None:
+        """One bucket's first slot (everything before its update) is done (channel thread)."""
+        with self._cond:
+            self._pushed += 1
+            self._cond.notify_all()
+
+    def before_updates(self, groups: ChannelGroups, buckets: int, timeout: float) -> None:
+        """The first update of the pass is next (its channel thread). With clipping: wait until all
+        ``buckets`` pushed, then the global norm of the averaged gradients over the ranks (a collective
+        on ``groups``, at the same slot on every rank) and the factor every update scales by."""
+        max_norm = self.facade.max_grad_norm
+        if max_norm is None:
+            return
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._pushed >= buckets, timeout):
+                raise SyncError(f"global-norm clipping waited {timeout:.0f}s for the pushes of {buckets - self._pushed} "
+                                f"of {buckets} bucket(s) (a sync job failed or hung)")
+        mine = torch.tensor([sum(shard.squared_norm() for shard in self.shards.values())], dtype=torch.float64)
+        everyone = torch.empty(groups.size, dtype=torch.float64)
+        groups.all_gather(everyone, mine)
+        self.grad_norm = math.sqrt(float(everyone.sum()))
+        self.scale = min(max_norm / (self.grad_norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
+
+    def update(self, bucket: Bucket) -> None:
+        """Step this rank's pieces of ``bucket`` with their staged gradients; new values into its buffer."""
+        self.shard(bucket).step(bucket.flat, self.hyper, self.scale)
 
     def install(self, buckets: Sequence[Bucket], ps: PSPath, rank: int) -> None:
         """Pieces for ``buckets``: the chunks this rank owns."""
@@ -256,14 +312,14 @@ class ServerPath:
         self.ps.push(bucket, groups)
         flags = self.ps.owner_flags(bucket)
         self.ps.aggregate(bucket)
-        yield "update"
         shard = self.server.shard(bucket)
         if flags is not None:
             aborted = bool(flags[-1] > 0)
             used = (flags[:-1] > 0).tolist()
-            grads = [None if aborted or not used[piece.position] else piece.view_of(bucket.flat)
-                     for piece in shard.pieces]
-            shard.step(grads, bucket.flat, self.server.hyper)
+            shard.stage([None if aborted or not used[piece.position] else piece.view_of(bucket.flat)
+                         for piece in shard.pieces])
+        yield "update"
+        self.server.update(bucket)
         yield "network"
         self.ps.pull(bucket, groups)
         bucket.bytes_sent = self.ps.bytes_sent(bucket)
@@ -287,15 +343,16 @@ class SFBUpdatePath:
         synced = yield from self.inner.sync(bucket, groups, ctx)
         if not synced:  # aborted, or no rank used the layer: the same on every rank
             return False
-        yield "update"
         shard = self.server.shard(bucket)
         used = bucket.used_anywhere.tolist()
         staged = bucket.fc.take_staged()  # the rebuilt average; None after a fallback to PS (in the buffer)
         average = dict(zip(map(id, bucket.fc.params), staged)) if staged is not None else \
             {id(p): view for p, view in bucket.views()}
-        shard.step([average[id(piece.param)].reshape(-1)[piece.lo:piece.hi].view(piece.tensor.shape)
-                    if used[piece.position] and average[id(piece.param)] is not None else None
-                    for piece in shard.pieces], bucket.flat, self.server.hyper)
+        shard.stage([average[id(piece.param)].reshape(-1)[piece.lo:piece.hi].view(piece.tensor.shape)
+                     if used[piece.position] and average[id(piece.param)] is not None else None
+                     for piece in shard.pieces])
+        yield "update"
+        self.server.update(bucket)
         yield "network"
         sent = bucket.bytes_sent
         self.ps.pull(bucket, groups)
@@ -321,7 +378,12 @@ class ServerOptimizer(torch.optim.Optimizer):
     chunk's optimizer state (1/P of it per rank), and the new values are pulled. ``step()`` waits until
     every parameter holds its new value (with ``lazy_pull=True`` it returns at once, and each layer's
     new values land just before its next forward). ``zero_grad()`` is harmless: the server spends the
-    gradients. ``state_dict()`` after ``consolidate_state_dict(to)`` on every rank, as
+    gradients.
+
+    Gradient clipping by the global norm is an option here, ``max_grad_norm=1.0``: the owners scale
+    the averaged gradients as ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` would before
+    ``step()``, and :attr:`last_grad_norm` is the norm it returns. ``clip_grad_norm_`` itself, called
+    between ``backward()`` and ``step()``, cannot work: the update already ran on the servers. ``state_dict()`` after ``consolidate_state_dict(to)`` on every rank, as
     ``ZeroRedundancyOptimizer``; ``load_state_dict`` takes torch's format (also a plain optimizer's).
     """
 
@@ -330,7 +392,7 @@ class ServerOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, model: Any, optimizer_class: type, params: Iterable | None = None, *,
-                 lazy_pull: bool = False, **defaults: Any) -> None:
+                 lazy_pull: bool = False, max_grad_norm: float | None = None, **defaults: Any) -> None:
         from .ddp import PoseidonDDP
 
         if not isinstance(model, PoseidonDDP):
@@ -338,6 +400,9 @@ class ServerOptimizer(torch.optim.Optimizer):
         self.aligned = chunks_must_align(optimizer_class)
         self.optimizer_class = optimizer_class
         self.lazy_pull = bool(lazy_pull)
+        if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a finite number > 0 (or None: no clipping), got {max_grad_norm!r}")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.model = model
         # the class's own defaults, completed as it completes them, so param_groups read as torch's
         defaults = optimizer_class([torch.zeros(1)], **defaults).defaults
@@ -380,11 +445,18 @@ class ServerOptimizer(torch.optim.Optimizer):
         """What every rank must agree on (checked across ranks when the model attaches this)."""
         groups = [(repr(sorted(_hyper(g).items())), [self.key_of[id(p)] for p in g["params"]])
                   for g in self.param_groups]
-        return f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}", self.lazy_pull, groups
+        name = f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}"
+        return name, self.lazy_pull, self.max_grad_norm, groups
 
     @property
     def server(self) -> Server:
         return self.model.engine.server
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """With ``max_grad_norm``: the global norm of the averaged gradients before clipping, of the last
+        step whose updates began (what ``clip_grad_norm_`` returns); None without clipping."""
+        return self.server.grad_norm if self.max_grad_norm is not None else None
 
     def step(self, closure: Any = None) -> None:
         """The update already ran at the shards during ``backward()``: wait until every parameter holds

@@ -47,11 +47,12 @@ def param_groups(model: nn.Module, kind: str) -> list | None:
     return [g for g in ({"params": rest}, {"params": biases, "lr": 0.003, "weight_decay": 0.0}) if g["params"]]
 
 
-def make_optimizer(wrapped: nn.Module, model: nn.Module, wrapper: str, name: str, groups: str, lazy: bool):
+def make_optimizer(wrapped: nn.Module, model: nn.Module, wrapper: str, name: str, groups: str, lazy: bool,
+                   clip: float | None = None):
     cls, kwargs = (LARS, dict(lr=0.05)) if name == "lars" else OPTIMIZERS[name]
     params = param_groups(model, groups)
     if wrapper == "server":
-        return ServerOptimizer(wrapped, cls, params, lazy_pull=lazy, **kwargs)
+        return ServerOptimizer(wrapped, cls, params, lazy_pull=lazy, max_grad_norm=clip, **kwargs)
     if wrapper == "zero":
         return ZeroRedundancyOptimizer(params or list(model.parameters()), optimizer_class=cls, **kwargs)
     return cls(params or model.parameters(), **kwargs)
@@ -59,18 +60,20 @@ def make_optimizer(wrapped: nn.Module, model: nn.Module, wrapper: str, name: str
 
 def train(rank: int, world_size: int, spec: ModelSpec, wrapper: str, optimizer: str, steps: int, size: int,
           groups: str = "one", schedule: bool = False, lazy: bool = False, options: dict | None = None,
-          accumulate: int = 1, set_to_none: bool = True) -> dict:
+          accumulate: int = 1, set_to_none: bool = True, clip: float | None = None) -> dict:
     """Train with ``wrapper`` in ("server", "ddp", "zero"); returns the final state and, for the
-    server, the optimizer state bytes of this rank and the paths its buckets took."""
+    server, the optimizer state bytes of this rank, the paths its buckets took and its channel plans.
+    ``clip``: global-norm clipping (the server's ``max_grad_norm``, the anchors' ``clip_grad_norm_``
+    before ``step()``); the norms it found per step (the server's read after the step settles)."""
     torch.manual_seed(0)
     model = build(spec, seed=spec.seed)
     if wrapper == "server":
         wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, options))
     else:
         wrapped = DDP(model, find_unused_parameters=spec.unused_branch or spec.rank0_branch)
-    opt = make_optimizer(wrapped, model, wrapper, optimizer, groups, lazy)
+    opt = make_optimizer(wrapped, model, wrapper, optimizer, groups, lazy, clip)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if schedule else None
-    outcomes = []
+    outcomes, plans, norms = [], [], []
     for step in range(steps):
         opt.zero_grad(set_to_none=set_to_none)
         for micro in range(accumulate):
@@ -80,13 +83,19 @@ def train(rank: int, world_size: int, spec: ModelSpec, wrapper: str, optimizer: 
                 # nothing keeps the graph alive once backward returns (as in most training loops)
                 F.mse_loss(wrapped(shard(x, rank, size), use_side=spec.rank0_branch and rank == 0),
                            shard(y, rank, size)).backward()
+        if clip is not None and wrapper != "server":
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         if scheduler is not None:
             scheduler.step()
         if wrapper == "server":
             outcomes.append(dict(wrapped.comm_stats.outcome_by_bucket))
+            plans.append(wrapped.engine.plan)
+            if clip is not None and not lazy:  # (a lazy run would settle here, not in its next forward)
+                wrapped.synchronize()
+                norms.append(opt.last_grad_norm)
     result = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "outcomes": outcomes,
-              "params": [name for name, _ in model.named_parameters()]}
+              "params": [name for name, _ in model.named_parameters()], "plans": plans, "norms": norms}
     if wrapper == "server":
         result["state_bytes"] = opt.local_state_bytes()
         opt.consolidate_state_dict(to=0)
@@ -369,3 +378,104 @@ def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: boo
             opt.zero_grad()
         states[wrapper] = final_state(wrapped, model)
     return states
+
+
+def recording_updates(path_class: type, log: list) -> type:
+    """``path_class`` whose jobs append their bucket's index to ``log`` when their update begins (for a
+    split job: when its second slot, the update and the pull, begins)."""
+
+    class Recording(path_class):
+        def sync(self, bucket, groups, ctx):
+            phases = super().sync(bucket, groups, ctx)
+            while True:
+                try:
+                    phase = next(phases)
+                except StopIteration as stop:
+                    return stop.value
+                yield phase
+                if phase == "update":
+                    log.append(bucket.index)
+
+    return Recording
+
+
+def pulls_in_order(rank: int, world_size: int, steps: int) -> dict:
+    """Lazy pulls with sync jobs slow enough that every bucket still syncs when backward ends: once the
+    buckets are learned, the pulls must run input side first. Returns both runs' final states, the
+    channel plan and, per step, the order in which this rank's updates (and pulls) began."""
+    from poseidon_torch.server import ServerPath
+
+    spec = ModelSpec(widths=(16, 16, 16), out_features=4)
+    states, orders = {}, []
+    for wrapper in ("server", "ddp"):
+        model = build(spec, seed=2)
+        wrapped = PoseidonDDP(model, timeout=60, hybrid=False, fusion_bytes=0) if wrapper == "server" else DDP(model)
+        opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=True)
+        log: list[int] = []
+        if wrapper == "server":
+            engine = wrapped.engine
+            engine._server_path = recording_updates(slowed(ServerPath, ("network",), 0.03), log)(engine._ps,
+                                                                                                 engine.server)
+        for step in range(steps):
+            x, y = batch(spec, step, 2, world_size)
+            out = wrapped(shard(x, rank, 2))  # the last pass has settled: its log is complete
+            orders.append(list(log))
+            log.clear()
+            F.mse_loss(out, shard(y, rank, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+        if wrapper == "server":
+            plan = wrapped.engine.plan
+        states[wrapper] = final_state(wrapped, model)
+    return {**states, "plan": plan, "orders": orders[1:steps]}
+
+
+def clipped_behind_a_slow_push(rank: int, world_size: int, max_norm: float) -> dict:
+    """Global-norm clipping where the first update's channel is ready long before the other channel's
+    push ends (the output layer's push is held back 0.3 s): the norm must still cover every bucket."""
+    from poseidon_torch.server import ServerPath
+
+    class SlowOutputPush(ServerPath):
+        def sync(self, bucket, groups, ctx):
+            if bucket.index == 0:
+                time.sleep(0.3)
+            return (yield from super().sync(bucket, groups, ctx))
+
+    states, norms = {}, {}
+    for wrapper in ("server", "ddp"):
+        torch.manual_seed(4)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        if wrapper == "server":
+            wrapped = PoseidonDDP(model, timeout=60, hybrid=False, fusion_bytes=0)
+            opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, max_grad_norm=max_norm)
+            wrapped.engine._server_path = SlowOutputPush(wrapped.engine._ps, wrapped.engine.server)
+        else:
+            wrapped = DDP(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        norms[wrapper] = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            F.mse_loss(wrapped(torch.randn(4, 8, generator=g)), torch.randn(4, 4, generator=g)).backward()
+            if wrapper == "ddp":
+                norms[wrapper].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            opt.step()
+            if wrapper == "server":
+                norms[wrapper].append(opt.last_grad_norm)
+            opt.zero_grad()
+        if wrapper == "server":
+            plan = wrapped.engine.plan
+        states[wrapper] = final_state(wrapped, model)
+    return {**states, "norms": norms, "plan": plan}
+
+
+def bad_max_grad_norm(rank: int, world_size: int) -> list[str]:
+    """The errors ServerOptimizer raises for max_grad_norm values that clip nothing sensible."""
+    messages = []
+    for value in (0.0, -1.0, float("nan"), float("inf")):
+        wrapped = PoseidonDDP(nn.Linear(4, 2), timeout=60)
+        try:
+            ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, max_grad_norm=value)
+        except ValueError as exc:
+            messages.append(str(exc))
+        wrapped.close()
+    return messages

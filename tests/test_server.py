@@ -182,3 +182,60 @@ def test_caught_exception_keeps_nothing_of_syncs_already_under_way(cluster, path
         for name, value in result["ddp"].items():
             torch.testing.assert_close(result["poseidon"][name], value, rtol=RTOL, atol=ATOL)
         assert all(torch.equal(result["poseidon"][k], results[0]["poseidon"][k]) for k in result["poseidon"])
+
+
+CLIP = 0.01  #: below every step's gradient norm in these runs (asserted), so clipping always acts
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=fc_specs(), optimizer=st.sampled_from(["sgd", "adamw"]), lazy=st.booleans(),
+       force=st.sampled_from(["PS", "SFB"]))
+def test_global_norm_clipping_matches_ddp_with_clip_grad_norm(cluster, spec, optimizer, lazy, force):
+    """max_grad_norm at the owners == DDP + clip_grad_norm_ before step(), on the PS path and with FC
+    layers on SFB; every job is split at the update, and the norm is the one clip_grad_norm_ returns."""
+    options = {"hybrid": False} if force == "PS" else {"force": "SFB"}
+    results = cluster.run(server_workers.train_against, spec, ("ddp",), optimizer, STEPS, 3,
+                          dict(lazy=lazy, clip=CLIP, options=options))
+    assert_same_parameters(results)
+    for result in results:
+        server, ddp = result["server"], result["ddp"]
+        assert min(ddp["norms"]) > CLIP
+        assert all(plan.split == frozenset(range(plan.buckets)) for plan in server["plans"])
+        if not lazy:
+            torch.testing.assert_close(server["norms"], ddp["norms"], rtol=RTOL, atol=0)
+    if force == "SFB":
+        assert "SFB" in results[0]["server"]["outcomes"][-1].values()
+
+
+def test_clipping_waits_for_every_push(cluster):
+    """The first update's channel is free while the other channel's push is held back: its norm must
+    still include that bucket (it waits for every push), or the step is scaled wrong."""
+    results = cluster.run(server_workers.clipped_behind_a_slow_push, CLIP)
+    for result in results:
+        plan = result["plan"]
+        assert plan.buckets == 2 and plan.channel_of(plan.first_second_slot) != plan.channel_of(0)
+        assert min(result["norms"]["ddp"]) > CLIP
+        torch.testing.assert_close(result["norms"]["server"], result["norms"]["ddp"], rtol=RTOL, atol=0)
+        for name, value in result["ddp"].items():
+            torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)
+
+
+def test_lazy_pulls_run_input_side_first(cluster):
+    """Sync jobs slow enough that several buckets still sync when backward ends: once learned, the plan
+    splits those (the input-side bucket, the highest index, always among them) and their pulls run
+    input side first; the parameters still equal DDP's."""
+    results = cluster.run(server_workers.pulls_in_order, 5)
+    for result in results:
+        plan = result["plan"]
+        assert plan.buckets == 4 and len(plan.split) >= 2 and 3 in plan.split
+        for order in result["orders"][-2:]:  # passes with the learned plan
+            assert sorted(order) == [0, 1, 2, 3]
+            assert [i for i in order if i in plan.split] == sorted(plan.split, reverse=True)
+        for name, value in result["ddp"].items():
+            torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)
+
+
+def test_max_grad_norm_is_checked(cluster):
+    results = cluster.run(server_workers.bad_max_grad_norm)
+    for result in results:
+        assert all("max_grad_norm must be a finite number > 0" in message for message in result)

@@ -25,6 +25,7 @@ STYLES = {
     "network SFB": ("network, SFB", "#8172b2", 0.5),
     "network": ("network, other path", "#937860", 0.5),
     "sync": ("sync job", None, 0.8),
+    "pull": ("update and pull (split job)", None, 0.8),
     "iteration": ("iteration", "#e3e3e3", 0.96),
 }
 

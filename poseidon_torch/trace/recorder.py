@@ -82,9 +82,10 @@ class Recorder:
                                end_ns - self.clock_offset_ns, self._iteration, args))
 
     def run_job(self, phases: Generator[str, None, object], name: str, lane: str, ready_ns: int, path: str,
-                bytes_sent: Callable[[], int]) -> object:
+                bytes_sent: Callable[[], int], envelope: str = "sync") -> object:
         """Drive a sync job's phases to the end, recording its queue wait, each phase the path yields
-        (a phase lasts until the next one begins) and the whole job; returns the job's result."""
+        (a phase lasts until the next one begins) and the whole job (a span of kind ``envelope``: "sync",
+        or "pull" for the second slot of a split job); returns the job's result."""
         start = time.monotonic_ns()
         self.add("queue", name, lane, ready_ns, start)
         kind, since = None, start
@@ -95,7 +96,7 @@ class Recorder:
                 end = time.monotonic_ns()
                 if kind is not None:
                     self.add(kind, name, lane, since, end, path=path)
-                self.add("sync", name, lane, start, end, path=path, bytes=bytes_sent())
+                self.add(envelope, name, lane, start, end, path=path, bytes=bytes_sent())
                 return stop.value
             now = time.monotonic_ns()
             if kind is not None:

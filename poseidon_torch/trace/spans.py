@@ -16,10 +16,12 @@ from typing import Any
 #: the phases of a sync job, as its path yields them: gather (gradients or factors into the send
 #: buffer, device-to-host on the staged GPU path), network (bytes on the wire), rebuild (SFB's GEMM),
 #: update (the optimizer step at a shard, parameter-server mode); scatter: every average back into
-#: ``.grad``, on the compute lane at the end of backward; sync: a whole sync job (args carry ``path``
-#: and ``bytes``).
+#: ``.grad``, on the compute lane at the end of backward; sync: a whole sync job, or the first slot of a
+#: split one (args carry ``path`` and ``bytes``); pull: the second slot of a split job (update and pull,
+#: parameter-server mode; it carries the job's bytes).
 SPAN_KINDS = ("forward", "backward", "iteration", "queue", "gather", "network", "rebuild", "update", "scatter",
-              "sync")
+              "sync", "pull")
+JOB_KINDS = ("sync", "pull")
 PHASE_KINDS = ("gather", "network", "rebuild", "update", "scatter")
 COMPUTE_KINDS = ("forward", "backward")
 COMM_KINDS = ("network",)

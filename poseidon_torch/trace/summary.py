@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Iterable
 
 from .overlap import Interval, intersection_length, total_length
-from .spans import COMM_KINDS, COMPUTE_KINDS, Span
+from .spans import COMM_KINDS, COMPUTE_KINDS, JOB_KINDS, Span
 
 NS_PER_MS = 1_000_000
 
@@ -110,7 +110,7 @@ def _layer_row(name: str, spans_by_rank: dict[int, list[Span]], samples: int) ->
     return {
         "layer": name,
         "path": "/".join(paths) or "-",
-        "bytes_per_iteration": _per(sum(s.args.get("bytes", 0) for s in layer if s.kind == "sync"), samples),
+        "bytes_per_iteration": _per(sum(s.args.get("bytes", 0) for s in layer if s.kind in JOB_KINDS), samples),
         "comm_ms_per_iteration": _per(sum(s.duration_ns for s in layer if s.kind in COMM_KINDS), samples) / NS_PER_MS,
         "hidden_share": _ratio(hidden_ns, network_ns),
     }
