@@ -236,6 +236,7 @@ class Server:
         """A synced pass opens: its updates use the hyperparameters in effect now (an LR scheduler
         stepped after ``step()`` must not reach jobs of this pass that are still running)."""
         self.hyper = [_hyper(g) for g in self.facade.param_groups]
+        self.facade.forget_consolidated()  # this pass's updates change the state
         self.scale = None
         with self._cond:
             self._pushed = 0
@@ -411,10 +412,12 @@ class ServerOptimizer(torch.optim.Optimizer):
         #: the defaults the class takes as arguments (the groups carry every hyperparameter anyway)
         self.init_kwargs = {k: v for k, v in defaults.items() if k in accepted}
         optimizable = [p for g in self.param_groups for p in g["params"]]
-        trainable = {id(p) for p in model.module.parameters() if p.requires_grad}
-        outside = [i for i, p in enumerate(optimizable) if id(p) not in trainable]
+        # frozen parameters may be listed, as torch allows (never stepped: they get no gradient), so that
+        # the default groups and their state_dict keys are those of ``optimizer_class(model.parameters())``
+        own = {id(p) for p in model.module.parameters()}
+        outside = [i for i, p in enumerate(optimizable) if id(p) not in own]
         if outside:
-            raise ValueError(f"ServerOptimizer optimizes the trainable parameters of the model it serves; "
+            raise ValueError(f"ServerOptimizer optimizes the parameters of the model it serves; "
                              f"parameter(s) {outside[:8]} (in param group order) are not among them (keep "
                              "parameters outside the model, e.g. a learnable loss weight, in an optimizer of their own)")
         self.key_of = {id(p): i for i, p in enumerate(optimizable)}
@@ -471,7 +474,6 @@ class ServerOptimizer(torch.optim.Optimizer):
                 "during backward(), on the gradients as they arrive, so a scaler can neither unscale them "
                 "nor skip a step with inf/NaN; this backward's update already used the scaled gradients. "
                 "Use bf16 autocast (no scaler), or PoseidonDDP with a plain optimizer and the scaler")
-        self._consolidated = None
         if not self.lazy_pull:
             self.model.synchronize()
 
@@ -488,6 +490,10 @@ class ServerOptimizer(torch.optim.Optimizer):
     def local_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
         return self.server.state_bytes()
+
+    def forget_consolidated(self) -> None:
+        """A step's updates begin: a state gathered before them is stale (``state_dict()`` refuses)."""
+        self._consolidated = None
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` (collective: every rank calls it)."""

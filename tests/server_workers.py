@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 
 import torch
@@ -479,3 +480,37 @@ def bad_max_grad_norm(rank: int, world_size: int) -> list[str]:
             messages.append(str(exc))
         wrapped.close()
     return messages
+
+
+def frozen_layer_and_mid_step_consolidate(rank: int, world_size: int, lazy: bool) -> dict:
+    """A frozen first layer and the default param groups (every parameter of the model, as
+    ``AdamW(model.parameters())``); the state consolidated between the last backward and its step(),
+    then read after step(); a later backward makes that copy stale."""
+    spec = ModelSpec(widths=(8, 6), out_features=3)
+    results = {}
+    for wrapper in ("server", "ddp"):
+        model = build(spec, seed=5)
+        first = next(model.parameters())
+        first.requires_grad_(False)
+        wrapped = PoseidonDDP(model, timeout=60) if wrapper == "server" else DDP(model)
+        opt = ServerOptimizer(wrapped, torch.optim.AdamW, lr=0.01, lazy_pull=lazy) if wrapper == "server" else \
+            torch.optim.AdamW(model.parameters(), lr=0.01)
+        for step in range(3):
+            x, y = batch(spec, step, 2, world_size)
+            F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+            if wrapper == "server" and step == 2:
+                opt.consolidate_state_dict(to=0)
+            opt.step()
+            opt.zero_grad()
+        state = copy.deepcopy(opt.state_dict()) if wrapper == "ddp" or rank == 0 else None  # (torch's is live)
+        stale = None
+        x, y = batch(spec, 3, 2, world_size)
+        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+        if wrapper == "server":
+            try:
+                opt.state_dict()
+            except RuntimeError as exc:
+                stale = str(exc)
+        opt.step()
+        results[wrapper] = {"optimizer": state, "stale": stale, "state": final_state(wrapped, model)}
+    return results

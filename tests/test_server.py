@@ -239,3 +239,16 @@ def test_max_grad_norm_is_checked(cluster):
     results = cluster.run(server_workers.bad_max_grad_norm)
     for result in results:
         assert all("max_grad_norm must be a finite number > 0" in message for message in result)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["step-waits", "lazy-pull"])
+def test_frozen_parameters_and_consolidate_before_step(cluster, lazy):
+    """Default groups over a model with a frozen layer work as torch's (same keys, no state for the
+    frozen one); a state consolidated between backward() and step() is that step's, and a later
+    backward makes it stale (state_dict() refuses instead of returning it)."""
+    results = cluster.run(server_workers.frozen_layer_and_mid_step_consolidate, lazy)
+    assert_same_optimizer_state(results[0]["server"]["optimizer"], results[0]["ddp"]["optimizer"])
+    for result in results:
+        assert "consolidate_state_dict" in result["server"]["stale"]
+        for name, value in result["ddp"]["state"].items():
+            torch.testing.assert_close(result["server"]["state"][name], value, rtol=RTOL, atol=ATOL)
