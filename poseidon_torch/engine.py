@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 from .barrier import SyncError
 from .bucket import Bucket, JobCost, Layer, build_buckets, find_layers, group_layers, readiness_order
 from .coordinator import PS, SFB, Coordinator, PassFacts
+from .env import flag, option
 from .core import NativeCore, PythonCore, raise_outcome
 from .graph import hook_target
 from .kvstore import PSPath, ps_messages
@@ -158,6 +159,9 @@ class Engine:
         self._pass: Pass | None = None
         self._jobs_pass: Pass | None = None  #: the pass whose jobs run (or ran last)
         self._learned = False
+        #: lazy pulls of the jobs still syncing at the end of backward run input side first (the plan
+        #: splits them); off: every job pushes, updates and pulls in one slot, in readiness order
+        self._pull_priority = option(None, "PULL_PRIORITY", flag, True)
         self._pending_at_end: list[int] = []  #: buckets still syncing at the end of backward (simulated)
         self._halves: dict[int, tuple[Halves, SyncContext, int]] = {}  #: split jobs whose second slot is due
         self._never_used = {id(p) for p in self.params}  #: by any rank, so far
@@ -217,7 +221,7 @@ class Engine:
         if self.server.facade.max_grad_norm is not None:
             return plan_channels(buckets, channels, range(buckets))
         tail = [i for i in self._pending_at_end if i < buckets]
-        if self.server.facade.lazy_pull and len(tail) > 1:
+        if self.server.facade.lazy_pull and self._pull_priority and len(tail) > 1:
             return plan_channels(buckets, channels, tail)
         return plan_channels(buckets, channels)
 

@@ -22,6 +22,15 @@ def option(value: T | None, name: str, parse: Callable[[str], T], default: T) ->
     return default if found is None else found
 
 
+def flag(text: str) -> bool:
+    """A yes/no knob: 1/0, true/false, yes/no, on/off (any case)."""
+    value = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+             "off": False}.get(text.lower())
+    if value is None:
+        raise ValueError("expected 1/0, true/false, yes/no or on/off")
+    return value
+
+
 def from_env(name: str, parse: Callable[[str], T]) -> T | None:
     """``POSEIDON_<name>`` parsed with ``parse``, or None when unset or empty."""
     text = os.environ.get(PREFIX + name, "").strip()

@@ -109,3 +109,19 @@ def test_a_path_that_ends_before_the_boundary_leaves_an_empty_second_half():
     halves = Halves(phases(log, boundary_reached=False), "update")
     assert drain(halves.first()) == (["gather"], "early")
     assert drain(halves.second()) == ([], None)
+
+
+@pytest.mark.parametrize("text,value", [("0", False), ("off", False), ("No", False), ("1", True), ("TRUE", True)])
+def test_yes_no_knobs_parse(monkeypatch, text, value):
+    from poseidon_torch.env import flag, option
+
+    monkeypatch.setenv("POSEIDON_PULL_PRIORITY", text)
+    assert option(None, "PULL_PRIORITY", flag, not value) is value
+
+
+def test_a_bad_yes_no_knob_names_the_variable(monkeypatch):
+    from poseidon_torch.env import flag, option
+
+    monkeypatch.setenv("POSEIDON_PULL_PRIORITY", "maybe")
+    with pytest.raises(ValueError, match="POSEIDON_PULL_PRIORITY='maybe'"):
+        option(None, "PULL_PRIORITY", flag, True)

@@ -252,3 +252,12 @@ def test_frozen_parameters_and_consolidate_before_step(cluster, lazy):
         assert "consolidate_state_dict" in result["server"]["stale"]
         for name, value in result["ddp"]["state"].items():
             torch.testing.assert_close(result["server"]["state"][name], value, rtol=RTOL, atol=ATOL)
+
+
+def test_pull_priority_can_be_switched_off(cluster):
+    """POSEIDON_PULL_PRIORITY=0: one slot per job, in readiness order (the benchmark's A/B), same result."""
+    results = cluster.run(server_workers.pulls_in_order, 3, env={"POSEIDON_PULL_PRIORITY": "0"})
+    for result in results:
+        assert result["plan"].split == frozenset()
+        for name, value in result["ddp"].items():
+            torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)

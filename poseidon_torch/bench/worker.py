@@ -15,7 +15,9 @@ user's own in those modes; three more modes shard it: ``ddp-zero`` (torch DDP +
 ZeroRedundancyOptimizer(overlap_with_ddp=True), stepped in the comm hook by ``hook_with_zero_step``;
 torch refuses that overlap on gloo, pytorch#62300, so on gloo ZeRO steps after backward),
 ``poseidon-server`` (PoseidonDDP hybrid + ServerOptimizer: the owners apply the update) and
-``poseidon-server-lazy`` (the same with ``lazy_pull=True``: the pulls overlap the next forward).
+``poseidon-server-lazy`` (the same with ``lazy_pull=True``: the pulls overlap the next forward, those
+still running at the end of backward input side first) and ``poseidon-server-lazy-fifo`` (lazy pulls in
+the order the buckets became ready: ``POSEIDON_PULL_PRIORITY=0``, to measure what the priority gives).
 All modes use gloo, initialised from the env variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
 Invariants:
@@ -56,11 +58,10 @@ from torch import nn
 
 from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, profile
 
-MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero",
-         "poseidon-server", "poseidon-server-lazy")
+SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-fifo")
+POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES)
+MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero", *SERVER_MODES)
 DEFAULT_MODES = MODES[:4]
-POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "poseidon-server", "poseidon-server-lazy")
-SERVER_MODES = ("poseidon-server", "poseidon-server-lazy")
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.01, momentum=0.9)),
               "adamw": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01))}
 
@@ -97,6 +98,8 @@ def wrapper_for(args: argparse.Namespace) -> Callable[[nn.Module], nn.Module]:
                            f"which is not importable: {exc}") from exc
     hybrid = args.mode == "poseidon-hybrid" or args.mode in SERVER_MODES
     engine = "python" if args.mode == "poseidon-ps-python" else "native"
+    if args.mode == "poseidon-server-lazy-fifo":
+        os.environ["POSEIDON_PULL_PRIORITY"] = "0"
     return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=args.timeout, trace_dir=args.trace_dir,
                                       engine=engine)
 
@@ -125,7 +128,7 @@ def make_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Op
     if args.mode in SERVER_MODES:
         from poseidon_torch import ServerOptimizer
 
-        return ServerOptimizer(model, cls, lazy_pull=args.mode == "poseidon-server-lazy", **kwargs)
+        return ServerOptimizer(model, cls, lazy_pull=args.mode.startswith("poseidon-server-lazy"), **kwargs)
     return cls(model.parameters(), **kwargs)
 
 
