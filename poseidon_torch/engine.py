@@ -375,6 +375,8 @@ class Engine:
             self._guarded(p, self._wait_jobs)
         self._guarded(p, partial(_wait_exchange, exchange))
         facts = self.coordinator.observe(everyone.view(self.world_size, -1), len(self.buckets))
+        if self.server is not None:
+            self.server.facts_known(facts.aborted)
         if may_defer and not facts.aborted and not any(facts.late):
             self._deferred = Deferred(p, facts, [False] * len(self.buckets), {id(q): q._version for q in self.params})
             with self._lock:
@@ -385,7 +387,9 @@ class Engine:
             return
         if may_defer:
             self._guarded(p, self._wait_jobs)
-        if self.server is not None and not facts.aborted:
+        if self.server is not None and facts.aborted:
+            self.server.roll_back()
+        elif self.server is not None:
             for index in range(len(self.buckets)):
                 self._apply(index)
         self._close(p, facts)

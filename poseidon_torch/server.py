@@ -24,7 +24,9 @@ Invariants:
 - before a step a piece is refreshed from the live parameter, so edits between steps (loading a
   checkpoint, a user's in-place change) are never overwritten with stale values;
 - a parameter that no rank used in the pass gets no gradient and is not stepped (as torch skips a
-  parameter whose ``.grad`` is None); an aborted pass steps nothing;
+  parameter whose ``.grad`` is None); an aborted pass steps nothing: an owner that stepped before the
+  pass was known to be aborted (a bucket synced before some rank's backward raised) keeps a copy of
+  the state it replaced until the pass's facts are known, and puts it back if the pass was aborted;
 - hyperparameters are read from the user-facing param groups at every step, so LR schedulers work;
 - optimizers whose update of one element reads other elements of the parameter get chunks aligned to
   whole parameters; optimizers that need a closure or sparse gradients are refused.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import threading
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -117,6 +120,7 @@ class BucketShard:
         self.groups = sorted(by_group)  #: the user's param groups this bucket's pieces belong to
         self.inner = None
         self.grads: list[Tensor | None] = [None] * len(pieces)  #: staged for this pass's update
+        self.undo: dict[Tensor, dict | None] | None = None  #: the state before this pass's step, while it may abort
         if pieces:
             inner_groups = [{**_hyper(facade.param_groups[g]), "params": by_group[g]} for g in self.groups]
             self.inner = facade.optimizer_class(inner_groups, **facade.init_kwargs)
@@ -129,10 +133,11 @@ class BucketShard:
         """Sum of squares of the staged gradients (float64)."""
         return sum(float(g.double().square().sum()) for g in self.grads if g is not None)
 
-    def step(self, out: Tensor, hyper: Sequence[dict], scale: float | None = None) -> None:
+    def step(self, out: Tensor, hyper: Sequence[dict], scale: float | None = None, keep_undo: bool = False) -> None:
         """Step every piece with a staged gradient (times ``scale`` when given), starting from the
         live parameter, with the hyperparameters ``hyper`` (per user param group), and write every
-        piece's value into its place in ``out`` (a bucket's flat buffer)."""
+        piece's value into its place in ``out`` (a bucket's flat buffer). ``keep_undo``: keep a copy of
+        the state it replaces (:meth:`roll_back`)."""
         grads, self.grads = self.grads, [None] * len(self.pieces)
         if self.inner is None:
             return
@@ -146,10 +151,21 @@ class BucketShard:
         for inner_group, g in zip(self.inner.param_groups, self.groups):
             inner_group.update(hyper[g])
         if any(grad is not None for grad in grads):
+            if keep_undo:
+                self.undo = {piece.tensor: _copied(self.inner.state.get(piece.tensor)) for piece in self.pieces}
             self.inner.step()
         for piece in self.pieces:
             piece.tensor.grad = None
             piece.view_of(out).copy_(piece.tensor)
+
+    def roll_back(self) -> None:
+        """Put back the state this pass's step replaced (the pass was aborted)."""
+        for tensor, state in (self.undo or {}).items():
+            if state is None:
+                self.inner.state.pop(tensor, None)
+            else:
+                self.inner.state[tensor] = state
+        self.undo = None
 
     def export(self) -> dict[int, list[tuple[int, int, dict[str, Any], dict[str, Any]]]]:
         """Per parameter key: (lo, hi, sliced state, whole-parameter state) of each piece with state."""
@@ -181,6 +197,24 @@ class BucketShard:
             return 0
         return sum(v.numel() * v.element_size() for state in self.inner.state.values()
                    for v in state.values() if isinstance(v, Tensor))
+
+
+def _max_norm(value: Any) -> float | None:
+    """``max_grad_norm`` checked: None, or a finite number > 0."""
+    if value is None:
+        return None
+    number = None
+    if isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point():
+        number = float(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+    if number is None or not (math.isfinite(number) and number > 0):
+        raise ValueError(f"max_grad_norm must be a finite number > 0 (or None: no clipping), got {value!r}")
+    return number
+
+
+def _copied(state: dict | None) -> dict | None:
+    return None if not state else {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
 def _hyper(group: dict) -> dict:
@@ -231,6 +265,9 @@ class Server:
         self.grad_norm: float | None = None  #: the pass's global gradient norm (clipping), once known
         self._pushed = 0
         self._cond = threading.Condition()
+        self._may_abort = False  #: the open pass's facts are not known yet: a step keeps an undo copy
+        self._norm_known = threading.Event()
+        self._norm_known.set()
 
     def begin_pass(self) -> None:
         """A synced pass opens: its updates use the hyperparameters in effect now (an LR scheduler
@@ -238,6 +275,11 @@ class Server:
         self.hyper = [_hyper(g) for g in self.facade.param_groups]
         self.facade.forget_consolidated()  # this pass's updates change the state
         self.scale = None
+        if self.facade.max_grad_norm is not None:
+            self._norm_known.clear()
+        self._may_abort = True
+        for shard in self.shards.values():
+            shard.undo = None
         with self._cond:
             self._pushed = 0
 
@@ -263,10 +305,32 @@ class Server:
         groups.all_gather(everyone, mine)
         self.grad_norm = math.sqrt(float(everyone.sum()))
         self.scale = min(max_norm / (self.grad_norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
+        self._norm_known.set()
+
+    def wait_norm(self, timeout: float) -> float | None:
+        """The last pass's global gradient norm, once its first update computed it."""
+        if not self._norm_known.wait(timeout):
+            raise SyncError(f"the gradient norm of the last step was not known after {timeout:.0f}s (a sync job failed "
+                            "or hung)")
+        return self.grad_norm
 
     def update(self, bucket: Bucket) -> None:
         """Step this rank's pieces of ``bucket`` with their staged gradients; new values into its buffer."""
-        self.shard(bucket).step(bucket.flat, self.hyper, self.scale)
+        self.shard(bucket).step(bucket.flat, self.hyper, self.scale, keep_undo=self._may_abort)
+
+    def facts_known(self, aborted: bool) -> None:
+        """The pass's facts are in (training thread): not aborted, every step stands and later ones
+        keep no copy; aborted, the jobs go on keeping copies for :meth:`roll_back`."""
+        if aborted:
+            return
+        self._may_abort = False
+        for shard in self.shards.values():
+            shard.undo = None
+
+    def roll_back(self) -> None:
+        """The pass was aborted and every job is done: every step it made is taken back."""
+        for shard in self.shards.values():
+            shard.roll_back()
 
     def install(self, buckets: Sequence[Bucket], ps: PSPath, rank: int) -> None:
         """Pieces for ``buckets``: the chunks this rank owns."""
@@ -401,9 +465,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         self.aligned = chunks_must_align(optimizer_class)
         self.optimizer_class = optimizer_class
         self.lazy_pull = bool(lazy_pull)
-        if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be a finite number > 0 (or None: no clipping), got {max_grad_norm!r}")
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._max_grad_norm = _max_norm(max_grad_norm)
         self.model = model
         # the class's own defaults, completed as it completes them, so param_groups read as torch's
         defaults = optimizer_class([torch.zeros(1)], **defaults).defaults
@@ -424,6 +486,10 @@ class ServerOptimizer(torch.optim.Optimizer):
         self.group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         self.shapes = {i: p.shape for i, p in enumerate(optimizable)}  #: per state_dict key
         self._consolidated: dict | None = None
+        synced = {id(p) for p in model.engine.params} if model.engine is not None else set()
+        #: listed parameters that were frozen when the model was wrapped: no bucket syncs them
+        self._unsynced = [(n, p) for n, p in model.module.named_parameters()
+                          if id(p) in self.key_of and id(p) not in synced]
         missing = [n for n, p in model.module.named_parameters() if p.requires_grad and id(p) not in self.key_of]
         if missing:
             raise ValueError("ServerOptimizer must optimize every trainable parameter of the model; "
@@ -456,10 +522,18 @@ class ServerOptimizer(torch.optim.Optimizer):
         return self.model.engine.server
 
     @property
+    def max_grad_norm(self) -> float | None:
+        """The clipping threshold (fixed at construction: every rank's plan depends on it)."""
+        return self._max_grad_norm
+
+    @property
     def last_grad_norm(self) -> float | None:
-        """With ``max_grad_norm``: the global norm of the averaged gradients before clipping, of the last
-        step whose updates began (what ``clip_grad_norm_`` returns); None without clipping."""
-        return self.server.grad_norm if self.max_grad_norm is not None else None
+        """With ``max_grad_norm``: the global norm of the averaged gradients before clipping, of the
+        last synced backward (what ``clip_grad_norm_`` returns; with lazy pulls it waits for that step's
+        norm, not for its pulls); None without clipping or before the first step."""
+        if self.max_grad_norm is None:
+            return None
+        return self.server.wait_norm(self.model.engine.timeout)
 
     def step(self, closure: Any = None) -> None:
         """The update already ran at the shards during ``backward()``: wait until every parameter holds
@@ -474,6 +548,10 @@ class ServerOptimizer(torch.optim.Optimizer):
                 "during backward(), on the gradients as they arrive, so a scaler can neither unscale them "
                 "nor skip a step with inf/NaN; this backward's update already used the scaled gradients. "
                 "Use bf16 autocast (no scaler), or PoseidonDDP with a plain optimizer and the scaler")
+        unfrozen = [name for name, p in self._unsynced if p.grad is not None]
+        if unfrozen:
+            raise RuntimeError(f"parameter(s) {unfrozen[:8]} were frozen when the model was wrapped and have a gradient "
+                               "now: nothing syncs or steps them; unfreeze before wrapping with PoseidonDDP (or wrap again)")
         if not self.lazy_pull:
             self.model.synchronize()
 

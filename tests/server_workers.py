@@ -92,8 +92,7 @@ def train(rank: int, world_size: int, spec: ModelSpec, wrapper: str, optimizer: 
         if wrapper == "server":
             outcomes.append(dict(wrapped.comm_stats.outcome_by_bucket))
             plans.append(wrapped.engine.plan)
-            if clip is not None and not lazy:  # (a lazy run would settle here, not in its next forward)
-                wrapped.synchronize()
+            if clip is not None:  # right after step(), where training loops log it (lazy: not settled yet)
                 norms.append(opt.last_grad_norm)
     result = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "outcomes": outcomes,
               "params": [name for name, _ in model.named_parameters()], "plans": plans, "norms": norms}
@@ -345,7 +344,7 @@ def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: boo
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
         if wrapper == "ddp":
-            wrapped, opt = DDP(model), torch.optim.SGD(model.parameters(), lr=0.1)
+            wrapped, opt = DDP(model), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         elif path == SFB:
             wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, overrides={"0": SFB, "2": SFB, "4": SFB})
             engine = wrapped.engine
@@ -354,8 +353,9 @@ def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: boo
             wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, hybrid=False, engine="python")
             wrapped.engine._ps.__class__ = slowed(PSPath, ("network",), 0.1)
         if wrapper == "poseidon":
-            opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1) if server else \
-                torch.optim.SGD(model.parameters(), lr=0.1)
+            # momentum: the skipped step must leave the optimizer state alone too, not only the values
+            opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, momentum=0.9) if server else \
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         bad = {"now": False}
 
         def raise_if_bad(grad):
@@ -474,14 +474,40 @@ def clipped_behind_a_slow_push(rank: int, world_size: int, max_norm: float) -> d
 def bad_max_grad_norm(rank: int, world_size: int) -> list[str]:
     """The errors ServerOptimizer raises for max_grad_norm values that clip nothing sensible."""
     messages = []
-    for value in (0.0, -1.0, float("nan"), float("inf")):
-        wrapped = PoseidonDDP(nn.Linear(4, 2), timeout=60)
+    wrapped = PoseidonDDP(nn.Linear(4, 2), timeout=60)
+    for value in (0.0, -1.0, float("nan"), float("inf"), "1.0", [1.0], True, torch.ones(2)):
         try:
             ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, max_grad_norm=value)
+            messages.append(f"accepted {value!r}")
         except ValueError as exc:
             messages.append(str(exc))
-        wrapped.close()
-    return messages
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, max_grad_norm=torch.tensor(2.0))
+    try:
+        opt.max_grad_norm = 0.5  # the plan of every rank depends on it: fixed at construction
+        messages.append("max_grad_norm changed after construction")
+    except AttributeError:
+        pass
+    wrapped.close()
+    return messages + [f"threshold {opt.max_grad_norm}"]
+
+
+def unfrozen_later(rank: int, world_size: int) -> str:
+    """A layer frozen when the model was wrapped, unfrozen later: step() must refuse, naming it."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model[0].weight.requires_grad_(False)
+    wrapped = PoseidonDDP(model, timeout=60)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    for step in range(2):
+        if step == 1:
+            model[0].weight.requires_grad_(True)
+        F.mse_loss(wrapped(x), y).backward()
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            return str(exc)
+        opt.zero_grad()
+    return "no error"
 
 
 def frozen_layer_and_mid_step_consolidate(rank: int, world_size: int, lazy: bool) -> dict:
