@@ -298,6 +298,7 @@ class Core {
   }
 
   bool late(int64_t b) { std::lock_guard<std::mutex> lock(mu_); return buckets_.at(b).late; }
+  bool done(int64_t b) { std::lock_guard<std::mutex> lock(mu_); return buckets_.at(b).done; }
   bool aborted(int64_t b) { std::lock_guard<std::mutex> lock(mu_); return buckets_.at(b).aborted; }
   int64_t submit_ns(int64_t b) { std::lock_guard<std::mutex> lock(mu_); return buckets_.at(b).submit_ns; }
   int64_t bytes_sent(int64_t b) { std::lock_guard<std::mutex> lock(mu_); return buckets_.at(b).bytes_sent; }
@@ -595,6 +596,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("late", &Core::late)
       .def("aborted", &Core::aborted)
       .def("submit_ns", &Core::submit_ns)
+      .def("done", &Core::done)
       .def("bytes_sent", &Core::bytes_sent)
       .def("sync_seconds", &Core::sync_seconds)
       .def("order", &Core::order)

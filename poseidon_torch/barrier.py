@@ -49,6 +49,10 @@ class BSPBarrier:
             if not self._missing:
                 self._cond.notify_all()
 
+    def arrived(self, key: Hashable) -> bool:
+        with self._cond:
+            return key not in self._missing
+
     def fail(self, key: Hashable, cause: BaseException) -> None:
         with self._cond:
             if self._failure is None:

@@ -38,6 +38,7 @@ class PassFacts:
 
     aborted: bool            #: some rank's backward was aborted
     late: list[bool]         #: per bucket: some rank got a gradient after the bucket was submitted
+    syncing: list[bool]      #: per bucket: its job was still running on some rank when backward ended
 
 
 def predict_ps(nbytes: float, world_size: int, link: LinkModel) -> tuple[float, float]:
@@ -111,9 +112,9 @@ class Coordinator:
 
     # ---- the end-of-pass exchange -----------------------------------------------------------------
 
-    def facts(self, aborted: bool, late: Sequence[bool]) -> torch.Tensor:
-        """This rank's facts: [aborted, late per bucket, (K, sticky) per FC layer]."""
-        values = [int(aborted), *map(int, late)]
+    def facts(self, aborted: bool, late: Sequence[bool], syncing: Sequence[bool]) -> torch.Tensor:
+        """This rank's facts: [aborted, late per bucket, syncing per bucket, (K, sticky) per FC layer]."""
+        values = [int(aborted), *map(int, late), *map(int, syncing)]
         for layer in self.fc.values():
             values += [layer.k_round, layer.sticky]
         return torch.tensor(values, dtype=torch.int64)
@@ -122,7 +123,8 @@ class Coordinator:
         """Every rank's facts (one row per rank): update K, sticky flags and the plan."""
         aborted = bool(everyone[:, 0].any())
         late = everyone[:, 1:1 + num_buckets].any(dim=0).tolist()
-        per_layer = everyone[:, 1 + num_buckets:].view(everyone.shape[0], -1, 2)
+        syncing = everyone[:, 1 + num_buckets:1 + 2 * num_buckets].any(dim=0).tolist()
+        per_layer = everyone[:, 1 + 2 * num_buckets:].view(everyone.shape[0], -1, 2)
         for i, name in enumerate(self.fc):
             self.k_max[name] = int(per_layer[:, i, 0].max())
             for r in range(everyone.shape[0]):
@@ -130,7 +132,7 @@ class Coordinator:
         if not aborted:
             self.passes += 1
             self.sfb = {name for name in self.fc if self._chooses_sfb(name)}
-        return PassFacts(aborted, late)
+        return PassFacts(aborted, late, syncing)
 
     def _chooses_sfb(self, name: str) -> bool:
         forced = self.overrides.get(name)

@@ -187,6 +187,10 @@ class PythonCore:
     def late(self, bucket: int) -> bool:
         return self._ready[bucket].late
 
+    def done(self, bucket: int) -> bool:
+        """The job of ``bucket`` (its last slot) is done in this pass."""
+        return self.barrier.arrived(bucket)
+
     def aborted(self, bucket: int) -> bool:
         return self._ready[bucket].aborted
 
@@ -304,6 +308,9 @@ class NativeCore:
 
     def late(self, bucket: int) -> bool:
         return self._core.late(bucket)
+
+    def done(self, bucket: int) -> bool:
+        return self._core.done(bucket)
 
     def aborted(self, bucket: int) -> bool:
         return self._core.aborted(bucket)

@@ -47,7 +47,7 @@ from .graph import hook_target
 from .kvstore import PSPath, ps_messages
 from .link import LinkModel, theil_sen
 from .pools import Groups, StreamPool
-from .schedule import ChannelPlan, Halves, plan_channels, still_syncing_at_end
+from .schedule import ChannelPlan, Halves, SyncingAtEnd, plan_channels
 from .server import SFBUpdatePath, Server, ServerPath, apply_values, merge_exports
 from .sfb import FCLayer, SFBPath, fc_layers
 from .trace import Recorder
@@ -159,10 +159,10 @@ class Engine:
         self._pass: Pass | None = None
         self._jobs_pass: Pass | None = None  #: the pass whose jobs run (or ran last)
         self._learned = False
-        #: lazy pulls of the jobs still syncing at the end of backward run input side first (the plan
-        #: splits them); off: every job pushes, updates and pulls in one slot, in readiness order
-        self._pull_priority = option(None, "PULL_PRIORITY", flag, True)
-        self._pending_at_end: list[int] = []  #: buckets still syncing at the end of backward (simulated)
+        #: POSEIDON_PULL_PRIORITY=1: lazy pulls of the jobs still syncing at the end of backward run input
+        #: side first (the plan splits them). Off by default: measured no faster here (README)
+        self._pull_priority = option(None, "PULL_PRIORITY", flag, False)
+        self._syncing_at_end = SyncingAtEnd()
         self._halves: dict[int, tuple[Halves, SyncContext, int]] = {}  #: split jobs whose second slot is due
         self._never_used = {id(p) for p in self.params}  #: by any rank, so far
         self.server: Server | None = None  #: the parameter-server shards, with a ServerOptimizer
@@ -196,6 +196,7 @@ class Engine:
         self._fc_bucket = {b.fc.name: b for b in buckets if b.fc is not None}
         self.coordinator.buckets_changed(set(self._fc_bucket), self._learned)
         self._ps.prepare(buckets)
+        self._syncing_at_end.reset()
         self.plan = self._channel_plan(len(buckets))
         self.core.install(buckets, self._ps, self.plan)
         if self.server is not None:
@@ -214,13 +215,13 @@ class Engine:
     def _channel_plan(self, buckets: int) -> ChannelPlan:
         """Which slots each channel runs. Parameter-server mode splits jobs at the update: every job
         when the owners clip by the global norm (it needs every push before any update); with lazy
-        pulls, the jobs still syncing at the end of backward, so the input side is pulled first."""
+        pulls, the jobs seen still syncing at the end of backward, so the input side is pulled first."""
         channels = len(self._channels)
         if self.server is None:
             return plan_channels(buckets, channels)
         if self.server.facade.max_grad_norm is not None:
             return plan_channels(buckets, channels, range(buckets))
-        tail = [i for i in self._pending_at_end if i < buckets]
+        tail = self._syncing_at_end.buckets if self._syncing_at_end.final else set()
         if self.server.facade.lazy_pull and self._pull_priority and len(tail) > 1:
             return plan_channels(buckets, channels, tail)
         return plan_channels(buckets, channels)
@@ -366,7 +367,8 @@ class Engine:
         self.core.finish(p.aborted)
         for layer, bucket in self._fc_buckets():
             layer.note_pass_end(bucket)
-        mine = self.coordinator.facts(p.aborted, [self.core.late(b.index) for b in self.buckets])
+        mine = self.coordinator.facts(p.aborted, [self.core.late(b.index) for b in self.buckets],
+                                      [not self.core.done(b.index) for b in self.buckets])
         everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
         exchange = self._control.start_all_gather(everyone, mine)
         self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
@@ -430,6 +432,7 @@ class Engine:
         if self.recorder.active:
             self._record_pass(p)
         if not facts.aborted:
+            self._watch_pulls(facts)
             self._learn_if_needed()
         self._close_pass(p)
         self.recorder.end_iteration()
@@ -703,6 +706,14 @@ class Engine:
             self.recorder.add(kind, bucket.name, self._lanes[index % len(self._channels)], start, end, **args)
         self._backward_start_ns = 0
 
+    def _watch_pulls(self, facts: PassFacts) -> None:
+        """Lazy pulls with priority: the jobs still running at the end of backward in the first passes of
+        the learned buckets; once known, the channel plan splits them (between passes)."""
+        watching = self.server is not None and self.server.facade.lazy_pull and self._pull_priority and self._learned
+        if watching and self._syncing_at_end.observe(facts.syncing):
+            self.plan = self._channel_plan(len(self.buckets))
+            self.core.install(self.buckets, self._ps, self.plan)
+
     def _learn_if_needed(self) -> None:
         """Rebuild the buckets from the readiness order of this pass (rank 0's, the same everywhere):
         once, and again only when a parameter no rank had used before gets a gradient."""
@@ -720,8 +731,6 @@ class Engine:
         layers, ready_s = readiness_order(self.layers, order, [t / 1e9 for t in order_ns])
         cost = self._job_cost([min(seconds) for seconds in zip(*(s for _, s in everyone))])
         groups = group_layers(layers, self.fusion_bytes, self.coordinator.wanted_solo(), ready_s, cost)
-        self._pending_at_end = still_syncing_at_end([max(ready_s[layer.name] for layer in group) for group in groups],
-                                                    [sum(layer.nbytes for layer in group) for group in groups], cost)
         self._learned = True
         self._install(build_buckets(groups, self.staged, self._fc_of))
 

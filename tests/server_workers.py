@@ -12,7 +12,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import ModelSpec, batch, build
-from poseidon_torch import LinkModel, PoseidonDDP, ServerOptimizer
+from poseidon_torch import PoseidonDDP, ServerOptimizer
 from workers import poseidon_options, shard
 
 OPTIMIZERS = {
@@ -402,17 +402,16 @@ def recording_updates(path_class: type, log: list) -> type:
 
 def pulls_in_order(rank: int, world_size: int, steps: int) -> dict:
     """Lazy pulls with sync jobs slow enough that every bucket still syncs when backward ends: once the
-    buckets are learned, the pulls must run input side first. Returns both runs' final states, the
-    channel plan and, per step, the order in which this rank's updates (and pulls) began."""
+    buckets are learned and three passes watched, the pulls must run input side first. Returns both
+    runs' final states, the channel plan and, per step, the order in which this rank's updates (and
+    pulls) began."""
     from poseidon_torch.server import ServerPath
 
     spec = ModelSpec(widths=(16, 16, 16), out_features=4)
     states, orders = {}, []
-    slow_link = LinkModel(alpha_s=0.02, beta_s_per_byte=1e-9)  # as the jobs are: at least 20 ms a message
     for wrapper in ("server", "ddp"):
         model = build(spec, seed=2)
-        wrapped = PoseidonDDP(model, timeout=60, hybrid=False, fusion_bytes=0, link=slow_link) \
-            if wrapper == "server" else DDP(model)
+        wrapped = PoseidonDDP(model, timeout=60, hybrid=False, fusion_bytes=0) if wrapper == "server" else DDP(model)
         opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=True)
         log: list[int] = []
         if wrapper == "server":

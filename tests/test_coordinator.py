@@ -61,10 +61,11 @@ def coordinator(world_size: int = 4, overrides=None, **shapes) -> Coordinator:
 
 
 def facts(c: Coordinator, per_rank: list[dict[str, tuple[int, int]]], aborted=(), buckets: int = 0) -> torch.Tensor:
-    """Every rank's facts vector: [aborted, late per bucket, (K, sticky) per FC layer in name order]."""
+    """Every rank's facts vector: [aborted, late per bucket, syncing per bucket, (K, sticky) per FC
+    layer in name order]."""
     rows = []
     for rank, layer_facts in enumerate(per_rank):
-        row = [int(rank in aborted)] + [0] * buckets
+        row = [int(rank in aborted)] + [0] * 2 * buckets
         for name in c.fc:
             row += list(layer_facts[name])
         rows.append(row)
@@ -126,7 +127,10 @@ def test_late_buckets_are_reported_if_any_rank_saw_one():
     c = coordinator(2, fc=(8, 8))
     rows = facts(c, [{"fc": (1, 0)}] * 2, buckets=3)
     rows[1, 2] = 1  # rank 1: bucket 1 got a gradient after its sync
-    assert c.observe(rows, 3).late == [False, True, False]
+    rows[0, 4 + 2] = 1  # rank 0: bucket 2's job still ran when its backward ended
+    outcome = c.observe(rows, 3)
+    assert outcome.late == [False, True, False] and outcome.syncing == [False, False, True]
+    assert c.k_max["fc"] == 1
 
 
 @pytest.mark.parametrize("overrides, message", [

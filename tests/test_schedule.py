@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from poseidon_torch.bucket import JobCost
-from poseidon_torch.schedule import Halves, plan_channels, still_syncing_at_end
+from poseidon_torch.schedule import Halves, SyncingAtEnd, plan_channels
 
 
 def test_second_slots_follow_the_last_channel_input_side_first():
@@ -62,13 +61,15 @@ def test_every_plan_runs_to_the_end_in_any_readiness_order(case):
     assert all(ran.index(i) < ran.index(n + i) for i in split)
 
 
-def test_the_jobs_still_syncing_when_backward_ends():
-    # ready at 0, 1, 2, 3 s; 1.5 s a job: ends 1.5, 3.0, 4.5, 6.0 (the link stays busy from 1 s on)
-    cost = JobCost(alpha_s=1.5, beta_s_per_byte=0.0)
-    assert still_syncing_at_end([0, 1, 2, 3], [10] * 4, cost) == [2, 3]
-    # a fast link: only the last job runs past the end
-    assert still_syncing_at_end([0, 1, 2, 3], [10] * 4, JobCost(0.5, 0.0)) == [3]
-    assert still_syncing_at_end([], [], cost) == []
+def test_the_jobs_still_syncing_are_those_seen_in_any_watched_pass():
+    watch = SyncingAtEnd(passes=3)
+    assert not watch.observe([False, False, True, True])
+    assert not watch.observe([False, True, False, True])
+    assert watch.observe([False, False, False, True]) and watch.final
+    assert watch.buckets == {1, 2, 3}
+    assert not watch.observe([True, True, True, True]) and watch.buckets == {1, 2, 3}  # final: no more changes
+    watch.reset()
+    assert not watch.final and watch.buckets == set()
 
 
 def phases(log: list[str], boundary_reached: bool = True):

@@ -221,15 +221,15 @@ def test_clipping_waits_for_every_push(cluster):
             torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)
 
 
-def test_lazy_pulls_run_input_side_first(cluster):
-    """Sync jobs slow enough that several buckets still sync when backward ends: once learned, the plan
-    splits those (the input-side bucket, the highest index, always among them) and their pulls run
-    input side first; the parameters still equal DDP's."""
-    results = cluster.run(server_workers.pulls_in_order, 5)
+def test_lazy_pulls_run_input_side_first_with_pull_priority(cluster):
+    """Sync jobs slow enough that several buckets still sync when backward ends: once seen in the
+    first passes of the learned buckets, the plan splits those (the input-side bucket, the highest
+    index, always among them) and their pulls run input side first; the parameters still equal DDP's."""
+    results = cluster.run(server_workers.pulls_in_order, 7, env={"POSEIDON_PULL_PRIORITY": "1"})
     for result in results:
         plan = result["plan"]
         assert plan.buckets == 4 and len(plan.split) >= 2 and 3 in plan.split
-        for order in result["orders"][-2:]:  # passes with the learned plan
+        for order in result["orders"][-2:]:  # passes 6 and 7: learned at 1, watched 2 to 4
             assert sorted(order) == [0, 1, 2, 3]
             assert [i for i in order if i in plan.split] == sorted(plan.split, reverse=True)
         for name, value in result["ddp"].items():
@@ -262,9 +262,9 @@ def test_frozen_parameters_and_consolidate_before_step(cluster, lazy):
             torch.testing.assert_close(result["server"]["state"][name], value, rtol=RTOL, atol=ATOL)
 
 
-def test_pull_priority_can_be_switched_off(cluster):
-    """POSEIDON_PULL_PRIORITY=0: one slot per job, in readiness order (the benchmark's A/B), same result."""
-    results = cluster.run(server_workers.pulls_in_order, 3, env={"POSEIDON_PULL_PRIORITY": "0"})
+def test_pull_priority_is_off_by_default(cluster):
+    """Without POSEIDON_PULL_PRIORITY=1: one slot per job, in readiness order, the same result."""
+    results = cluster.run(server_workers.pulls_in_order, 6)
     for result in results:
         assert result["plan"].split == frozenset()
         for name, value in result["ddp"].items():

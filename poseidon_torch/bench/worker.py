@@ -15,9 +15,9 @@ user's own in those modes; three more modes shard it: ``ddp-zero`` (torch DDP +
 ZeroRedundancyOptimizer(overlap_with_ddp=True), stepped in the comm hook by ``hook_with_zero_step``;
 torch refuses that overlap on gloo, pytorch#62300, so on gloo ZeRO steps after backward),
 ``poseidon-server`` (PoseidonDDP hybrid + ServerOptimizer: the owners apply the update) and
-``poseidon-server-lazy`` (the same with ``lazy_pull=True``: the pulls overlap the next forward, those
-still running at the end of backward input side first) and ``poseidon-server-lazy-fifo`` (lazy pulls in
-the order the buckets became ready: ``POSEIDON_PULL_PRIORITY=0``, to measure what the priority gives).
+``poseidon-server-lazy`` (the same with ``lazy_pull=True``: the pulls overlap the next forward) and
+``poseidon-server-lazy-priority`` (lazy pulls, those still running at the end of backward input side
+first: ``POSEIDON_PULL_PRIORITY=1``, to measure what the priority gives).
 All modes use gloo, initialised from the env variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
 Invariants:
@@ -58,7 +58,7 @@ from torch import nn
 
 from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, profile
 
-SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-fifo")
+SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-priority")
 POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES)
 MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero", *SERVER_MODES)
 DEFAULT_MODES = MODES[:4]
@@ -98,8 +98,8 @@ def wrapper_for(args: argparse.Namespace) -> Callable[[nn.Module], nn.Module]:
                            f"which is not importable: {exc}") from exc
     hybrid = args.mode == "poseidon-hybrid" or args.mode in SERVER_MODES
     engine = "python" if args.mode == "poseidon-ps-python" else "native"
-    if args.mode == "poseidon-server-lazy-fifo":
-        os.environ["POSEIDON_PULL_PRIORITY"] = "0"
+    if args.mode == "poseidon-server-lazy-priority":
+        os.environ["POSEIDON_PULL_PRIORITY"] = "1"
     return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=args.timeout, trace_dir=args.trace_dir,
                                       engine=engine)
 
