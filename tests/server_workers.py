@@ -313,10 +313,11 @@ def attention_lazy(rank: int, world_size: int, fusion_bytes: int) -> dict:
     return states
 
 
-def slowed(path_class: type, phase_names: tuple[str, ...], seconds: float) -> type:
-    """``path_class`` whose jobs pause ``seconds`` when they reach any of ``phase_names``."""
+def watched(path_class: type, before=None, after=None) -> type:
+    """``path_class`` whose jobs call ``before(phase, bucket)`` as each phase is reached and
+    ``after(phase, bucket)`` when the job resumes from it."""
 
-    class Slowed(path_class):
+    class Watched(path_class):
         def sync(self, bucket, groups, ctx):
             phases = super().sync(bucket, groups, ctx)
             while True:
@@ -324,11 +325,18 @@ def slowed(path_class: type, phase_names: tuple[str, ...], seconds: float) -> ty
                     phase = next(phases)
                 except StopIteration as stop:
                     return stop.value
-                if phase in phase_names:
-                    time.sleep(seconds)
+                if before is not None:
+                    before(phase, bucket)
                 yield phase
+                if after is not None:
+                    after(phase, bucket)
 
-    return Slowed
+    return Watched
+
+
+def slowed(path_class: type, phase_names: tuple[str, ...], seconds: float) -> type:
+    """``path_class`` whose jobs pause ``seconds`` when they reach any of ``phase_names``."""
+    return watched(path_class, before=lambda phase, bucket: time.sleep(seconds) if phase in phase_names else None)
 
 
 def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: bool) -> dict:
@@ -384,20 +392,7 @@ def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: boo
 def recording_updates(path_class: type, log: list) -> type:
     """``path_class`` whose jobs append their bucket's index to ``log`` when their update begins (for a
     split job: when its second slot, the update and the pull, begins)."""
-
-    class Recording(path_class):
-        def sync(self, bucket, groups, ctx):
-            phases = super().sync(bucket, groups, ctx)
-            while True:
-                try:
-                    phase = next(phases)
-                except StopIteration as stop:
-                    return stop.value
-                yield phase
-                if phase == "update":
-                    log.append(bucket.index)
-
-    return Recording
+    return watched(path_class, after=lambda phase, bucket: log.append(bucket.index) if phase == "update" else None)
 
 
 def pulls_in_order(rank: int, world_size: int, steps: int) -> dict:
