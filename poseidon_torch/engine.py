@@ -41,8 +41,8 @@ from torch.utils._pytree import tree_flatten
 from .barrier import SyncError
 from .bucket import Bucket, JobCost, Layer, build_buckets, find_layers, group_layers, readiness_order
 from .coordinator import PS, SFB, Coordinator, PassFacts
-from .env import flag, option
 from .core import NativeCore, PythonCore, raise_outcome
+from .env import flag, option
 from .graph import hook_target
 from .kvstore import PSPath, ps_messages
 from .link import LinkModel, theil_sen
@@ -110,6 +110,17 @@ class Deferred:
     after: list = field(default_factory=list)  #: what waits for the drain (a deferred zero_grad)
 
 
+@dataclass
+class _Slot:
+    """What one slot of a bucket's job runs: its pass's context, when it was due, its phases (and, for
+    a split job, both halves)."""
+
+    ctx: SyncContext
+    ready_ns: int
+    phases: Generator[str, None, object]
+    halves: Halves | None = None
+
+
 def drive(phases: Generator[str, None, object]) -> object:
     """Run a sync job's phases to the end; its result."""
     while True:
@@ -163,7 +174,7 @@ class Engine:
         #: side first (the plan splits them). Off by default: measured no faster here (README)
         self._pull_priority = option(None, "PULL_PRIORITY", flag, False)
         self._syncing_at_end = SyncingAtEnd()
-        self._halves: dict[int, tuple[Halves, SyncContext, int]] = {}  #: split jobs whose second slot is due
+        self._halves: dict[int, _Slot] = {}  #: split jobs whose second slot is due
         self._never_used = {id(p) for p in self.params}  #: by any rank, so far
         self.server: Server | None = None  #: the parameter-server shards, with a ServerOptimizer
         self._deferred: Deferred | None = None
@@ -617,44 +628,42 @@ class Engine:
     def _run_job(self, key: int) -> None:
         """Slot ``key`` of the channel plan when the core does not run it itself: a bucket's whole
         job, or one of its two slots (the path's phases cut where it yields "update")."""
-        index = self.plan.bucket_of(key)
-        bucket = self.buckets[index]
-        channel = self.plan.channel_of(key)
+        index, second = self.plan.bucket_of(key), self.plan.is_second(key)
+        bucket, channel = self.buckets[index], self.plan.channel_of(key)
+        slot = self._halves.pop(index) if second else self._first_slot(index, channel)
         start = time.monotonic()
-        if self.plan.is_second(key):
-            halves, ctx, ready_ns = self._halves.pop(index)
-            phases, envelope, sent = halves.second(), "pull", (lambda: bucket.bytes_sent)
-        else:
-            ctx = self._jobs_pass.contexts[index]  # a deferred pass's jobs run on after it is closed
-            if self.core.aborted(index) and not ctx.aborted:
-                ctx = SyncContext(ctx.path, ctx.task, True, ctx.shadow, ctx.k_pad)
-            ready_ns = self.core.submit_ns(index)
-            phases, envelope, sent = self._path(bucket, ctx.path).sync(bucket, self._channels[channel], ctx), \
-                "sync", (lambda: bucket.bytes_sent)
-            if index in self.plan.split:
-                halves = Halves(phases, "update")
-                phases, sent = halves.first(), (lambda: 0)  # the bytes are counted once, by the second slot
-        after = bucket.done_event if self.plan.is_second(key) else bucket.ready_event  # CUDA: the first slot's work
-        with torch.profiler.record_function(self._profile_names[index, ctx.path]), \
+        after = bucket.done_event if second else bucket.ready_event  # CUDA: a second slot follows its first
+        with torch.profiler.record_function(self._profile_names[index, slot.ctx.path]), \
                 self._device_stream(after, channel) as stream:
-            if self.plan.is_second(key) and key == self.plan.first_second_slot:
+            if key == self.plan.first_second_slot:
                 self.server.before_updates(self._channels[channel], len(self.buckets), self.timeout)
+            phases = slot.halves.second() if second else slot.phases
             if self.recorder.active:
-                self.recorder.run_job(phases, bucket.name, self._lanes[channel], ready_ns, ctx.path, sent, envelope)
+                sent = (lambda: 0) if index in self.plan.split and not second else (lambda: bucket.bytes_sent)
+                self.recorder.run_job(phases, bucket.name, self._lanes[channel], slot.ready_ns, slot.ctx.path, sent,
+                                      "pull" if second else "sync")  # a split job's bytes count once, at its end
             else:
                 drive(phases)
             if stream is not None:
                 bucket.done_event.record(stream)
         seconds = time.monotonic() - start
-        if self.plan.is_second(key):
-            bucket.sync_seconds += seconds
-            return
-        bucket.sync_seconds = seconds
-        if index in self.plan.split:
-            self._halves[index] = (halves, ctx, time.monotonic_ns())
+        bucket.sync_seconds = bucket.sync_seconds + seconds if second else seconds
+        if index in self.plan.split and not second:
+            self._halves[index] = _Slot(slot.ctx, time.monotonic_ns(), slot.phases, slot.halves)
             if self.server is not None:
                 self.server.pushed()
 
+    def _first_slot(self, index: int, channel: int) -> _Slot:
+        """The phases of bucket ``index``'s job this pass (up to the update when the plan splits it)."""
+        bucket = self.buckets[index]
+        ctx = self._jobs_pass.contexts[index]  # a deferred pass's jobs run on after it is closed
+        if self.core.aborted(index) and not ctx.aborted:
+            ctx = SyncContext(ctx.path, ctx.task, True, ctx.shadow, ctx.k_pad)
+        phases = self._path(bucket, ctx.path).sync(bucket, self._channels[channel], ctx)
+        if index not in self.plan.split:
+            return _Slot(ctx, self.core.submit_ns(index), phases)
+        halves = Halves(phases, "update")
+        return _Slot(ctx, self.core.submit_ns(index), halves.first(), halves)
 
     def _path(self, bucket: Bucket, name: str):
         """The path that syncs ``bucket`` this pass: the coordinator's choice, with the update at the
