@@ -605,6 +605,11 @@ class Engine:
         if deferred is not None:
             self._close(deferred.pass_, deferred.facts)
 
+    def backward_raised(self) -> bool:
+        """The last synced backward raised: its pass is still open outside any backward (until the next
+        forward, or a collective of the ServerOptimizer, finishes it)."""
+        return self._pass is not None and torch._C._current_graph_task_id() == -1
+
     def finish_aborted_pass(self) -> None:
         """A pass still open at the next forward was aborted (its backward raised): finish it so every
         rank's collectives stay in step, keeping nothing."""

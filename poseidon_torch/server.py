@@ -352,6 +352,7 @@ class Server:
     def load(self, full_state: dict[int, dict[str, Any]]) -> None:
         for shard in self.shards.values():
             shard.load(full_state)
+            shard.undo = None
 
     def state_bytes(self) -> int:
         return sum(shard.state_bytes() for shard in self.shards.values())
@@ -530,8 +531,9 @@ class ServerOptimizer(torch.optim.Optimizer):
     def last_grad_norm(self) -> float | None:
         """With ``max_grad_norm``: the global norm of the averaged gradients before clipping, of the
         last synced backward (what ``clip_grad_norm_`` returns; with lazy pulls it waits for that step's
-        norm, not for its pulls); None without clipping or before the first step."""
-        if self.max_grad_norm is None:
+        norm, not for its pulls); None without clipping, before the first step, or after a backward that
+        raised (that step is skipped)."""
+        if self.max_grad_norm is None or self.model.engine.backward_raised():
             return None
         return self.server.wait_norm(self.model.engine.timeout)
 
@@ -548,7 +550,7 @@ class ServerOptimizer(torch.optim.Optimizer):
                 "during backward(), on the gradients as they arrive, so a scaler can neither unscale them "
                 "nor skip a step with inf/NaN; this backward's update already used the scaled gradients. "
                 "Use bf16 autocast (no scaler), or PoseidonDDP with a plain optimizer and the scaler")
-        unfrozen = [name for name, p in self._unsynced if p.grad is not None]
+        unfrozen = [name for name, p in self._unsynced if p.requires_grad]  # the same on every rank, used or not
         if unfrozen:
             raise RuntimeError(f"parameter(s) {unfrozen[:8]} were frozen when the model was wrapped and have a gradient "
                                "now: nothing syncs or steps them; unfreeze before wrapping with PoseidonDDP (or wrap again)")
@@ -575,6 +577,7 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` (collective: every rank calls it)."""
+        self.model.engine.finish_aborted_pass()  # a skipped step's state taken back first
         self.model.synchronize()
         exports = self.model.engine.gather_objects(self.server.export(), to)
         self._consolidated = None
@@ -596,6 +599,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("loaded state_dict has param groups of other sizes than this optimizer's")
+        self.model.engine.finish_aborted_pass()  # or a skipped step's roll-back would land on the loaded state
         self.model.synchronize()
         for group, saved in zip(self.param_groups, groups):
             group.update(_hyper(saved))

@@ -536,3 +536,74 @@ def frozen_layer_and_mid_step_consolidate(rank: int, world_size: int, lazy: bool
         opt.step()
         results[wrapper] = {"optimizer": state, "stale": stale, "state": final_state(wrapped, model)}
     return results
+
+
+def checkpoint_after_a_caught_exception(rank: int, world_size: int, lazy: bool, clip: float | None) -> dict:
+    """SGD momentum; step 1's backward raises (caught on every rank) after the output layer's bucket
+    synced (and, without clipping, was stepped by its owners); the state is consolidated right away,
+    before any other forward: it must be the state after step 0, as torch's optimizer that skipped the
+    batch has; with clipping, the norm of the skipped step is None at once."""
+    states = {}
+    for wrapper in ("server", "ddp"):
+        torch.manual_seed(6)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        if wrapper == "server":
+            wrapped = PoseidonDDP(model, timeout=60, hybrid=False, fusion_bytes=0)
+            opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, momentum=0.9, lazy_pull=lazy, max_grad_norm=clip)
+        else:
+            wrapped = DDP(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        bad = {"now": False}
+        model[0].weight.register_hook(lambda grad: (_ for _ in ()).throw(ValueError("bad batch")) if bad["now"] else None)
+        norm_in_except, waited = "unset", 0.0
+        for step in range(2):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+            bad["now"] = step == 1
+            try:
+                F.mse_loss(wrapped(x), y).backward()
+            except ValueError:
+                if wrapper == "server":
+                    start = time.monotonic()
+                    norm_in_except = opt.last_grad_norm
+                    waited = time.monotonic() - start
+                    time.sleep(0.2)  # the output layer's job, submitted before the exception, has stepped by now
+                opt.zero_grad()
+                continue
+            if wrapper == "ddp" and clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+        if wrapper == "server":
+            opt.consolidate_state_dict(to=0)
+        state = copy.deepcopy(opt.state_dict()) if wrapper == "ddp" or rank == 0 else None
+        states[wrapper] = {"optimizer": state, "params": final_state(wrapped, model),
+                           "norm_in_except": norm_in_except, "waited": waited}
+    return states
+
+
+def unfrozen_on_one_rank(rank: int, world_size: int) -> str:
+    """A layer frozen at wrapping, unfrozen on every rank but used only by rank 0: every rank's step()
+    must refuse (the decision may not depend on which rank happened to use it)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.main, self.side = nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+            return self.main(x) + (self.side(x) if use_side else 0)
+
+    model = Net()
+    model.side.requires_grad_(False)
+    wrapped = PoseidonDDP(model, timeout=60)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1)
+    model.side.requires_grad_(True)
+    F.mse_loss(wrapped(torch.randn(4, 4), use_side=rank == 0), torch.randn(4, 2)).backward()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        wrapped.close()
+    return "no error"

@@ -269,3 +269,20 @@ def test_pull_priority_is_off_by_default(cluster):
         assert result["plan"].split == frozenset()
         for name, value in result["ddp"].items():
             torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("lazy", [False, True], ids=["step-waits", "lazy-pull"])
+def test_a_checkpoint_right_after_a_caught_exception_has_no_trace_of_it(cluster, lazy, clip):
+    results = cluster.run(server_workers.checkpoint_after_a_caught_exception, lazy, clip)
+    assert_same_optimizer_state(results[0]["server"]["optimizer"], results[0]["ddp"]["optimizer"])
+    for result in results:
+        if clip is not None:
+            assert result["server"]["norm_in_except"] is None and result["server"]["waited"] < 1.0
+        for name, value in result["ddp"]["params"].items():
+            torch.testing.assert_close(result["server"]["params"][name], value, rtol=RTOL, atol=ATOL)
+
+
+def test_a_layer_unfrozen_but_used_on_one_rank_is_refused_on_every_rank(cluster):
+    for message in cluster.run(server_workers.unfrozen_on_one_rank):
+        assert "['side.weight', 'side.bias'] were frozen when the model was wrapped" in message
