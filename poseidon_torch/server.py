@@ -278,8 +278,7 @@ class Server:
         if self.facade.max_grad_norm is not None:
             self._norm_known.clear()
         self._may_abort = True
-        for shard in self.shards.values():
-            shard.undo = None
+        self._drop_undo()
         with self._cond:
             self._pushed = 0
 
@@ -324,6 +323,9 @@ class Server:
         if aborted:
             return
         self._may_abort = False
+        self._drop_undo()
+
+    def _drop_undo(self) -> None:
         for shard in self.shards.values():
             shard.undo = None
 
@@ -352,7 +354,7 @@ class Server:
     def load(self, full_state: dict[int, dict[str, Any]]) -> None:
         for shard in self.shards.values():
             shard.load(full_state)
-            shard.undo = None
+        self._drop_undo()
 
     def state_bytes(self) -> int:
         return sum(shard.state_bytes() for shard in self.shards.values())
