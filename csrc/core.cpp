@@ -2,9 +2,10 @@
 //
 // Job: count every parameter's gradient down from a hook on its gradient accumulator (no GIL while a
 // pass is open), submit a bucket to its channel the moment it is ready, run the channels on C++
-// threads in the engine's channel plan (a split bucket's second slot is submitted when its first ends;
-// the bucket is done when its last slot is), run PS jobs (gather, staggered push, aggregate, pull) on the c10d backends, call
-// back into Python (with the GIL) for every other job, and be the BSP barrier with a timeout.
+// threads in the engine's channel plan (a split bucket's second slot is submitted when its first
+// ends; the bucket is done when its last slot is), run PS jobs (gather, staggered push, aggregate,
+// pull) on the c10d backends, call back into Python (with the GIL) for every other job, and be the
+// BSP barrier with a timeout.
 // Semantics are those of poseidon_torch.core.PythonCore, the reference (its docstring lists them).
 //
 // Invariants:

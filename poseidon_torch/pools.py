@@ -218,14 +218,6 @@ class SyncChannel:
                     return
 
 
-def assign_round_robin(keys: Sequence[Hashable], num_channels: int) -> list[list[Hashable]]:
-    """Key i goes to channel i mod C, keeping the key order."""
-    channels: list[list[Hashable]] = [[] for _ in range(num_channels)]
-    for i, key in enumerate(keys):
-        channels[i % num_channels].append(key)
-    return channels
-
-
 class StreamPool:
     """A fixed set of CUDA side streams, one per channel."""
 

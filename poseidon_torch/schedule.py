@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 
-
 @dataclass(frozen=True)
 class ChannelPlan:
     """Per channel, the slot keys it runs in order; ``split``: the buckets that have two slots."""
