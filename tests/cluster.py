@@ -91,13 +91,16 @@ class Cluster:
 
     def run(self, fn, *args, timeout: float = 120.0, env: dict[str, str] | None = None) -> list:
         outcomes = self.run_outcomes(fn, *args, timeout=timeout, env=env)
+        problems = []  # every rank's, not only the first: the root cause may be a peer's
         for rank in range(self.world_size):
             outcome = outcomes.get(rank)
             if outcome is None:
                 code = self._procs[rank].exitcode
-                raise ClusterError(f"rank {rank} gave no result within {timeout}s (exit code {code})")
-            if not outcome.ok:
-                raise ClusterError(f"rank {rank} raised:\n{outcome.value}")
+                problems.append(f"rank {rank} gave no result within {timeout}s (exit code {code})")
+            elif not outcome.ok:
+                problems.append(f"rank {rank} raised:\n{outcome.value}")
+        if problems:
+            raise ClusterError("\n".join(problems))
         return [outcomes[r].value for r in range(self.world_size)]
 
     def exit_code(self, rank: int, timeout: float = 10.0) -> int | None:
