@@ -122,6 +122,14 @@ class Bucket:
         if self.flat.device != self.device:  # staged through host memory: gloo reads it next
             torch.cuda.current_stream(self.device).synchronize()
 
+    def forget_cleared(self) -> None:
+        """A pass opens: a dirty parameter whose ``.grad`` the user has since set to None (``zero_grad()``
+        after a skipped step) holds nothing unsynced any more."""
+        if self.dirty.any():
+            for j, p in enumerate(self.params):
+                if p.grad is None:
+                    self.dirty[j] = 0
+
     def read_flags(self) -> bool:
         """After an average (sync thread): which parameters some rank used; False (local gradients kept
         as unsynced) when some rank aborted. Nothing is written into ``.grad`` here."""

@@ -36,9 +36,14 @@ PATHS = (PS, SFB)
 class PassFacts:
     """What the end-of-pass exchange told every rank."""
 
-    aborted: bool            #: some rank's backward was aborted
+    aborted_ranks: list[int]  #: the ranks whose backward was aborted (an exception on that rank)
     late: list[bool]         #: per bucket: some rank got a gradient after the bucket was submitted
     syncing: list[bool]      #: per bucket: its job was still running on some rank when backward ended
+
+    @property
+    def aborted(self) -> bool:
+        """Some rank's backward was aborted: the pass averaged nothing."""
+        return bool(self.aborted_ranks)
 
 
 def predict_ps(nbytes: float, world_size: int, link: LinkModel) -> tuple[float, float]:
@@ -121,7 +126,7 @@ class Coordinator:
 
     def observe(self, everyone: torch.Tensor, num_buckets: int) -> PassFacts:
         """Every rank's facts (one row per rank): update K, sticky flags and the plan."""
-        aborted = bool(everyone[:, 0].any())
+        aborted_ranks = everyone[:, 0].nonzero().flatten().tolist()
         late = everyone[:, 1:1 + num_buckets].any(dim=0).tolist()
         syncing = everyone[:, 1 + num_buckets:1 + 2 * num_buckets].any(dim=0).tolist()
         per_layer = everyone[:, 1 + 2 * num_buckets:].view(everyone.shape[0], -1, 2)
@@ -129,10 +134,10 @@ class Coordinator:
             self.k_max[name] = int(per_layer[:, i, 0].max())
             for r in range(everyone.shape[0]):
                 self.sticky[name] |= int(per_layer[r, i, 1])
-        if not aborted:
+        if not aborted_ranks:
             self.passes += 1
             self.sfb = {name for name in self.fc if self._chooses_sfb(name)}
-        return PassFacts(aborted, late, syncing)
+        return PassFacts(aborted_ranks, late, syncing)
 
     def _chooses_sfb(self, name: str) -> bool:
         forced = self.overrides.get(name)

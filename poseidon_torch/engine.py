@@ -335,6 +335,8 @@ class Engine:
         return None
 
     def _open(self, round_: Round | None, task: int, queue_end: bool, shadow: bool = False) -> Pass:
+        for bucket in self.buckets:
+            bucket.forget_cleared()
         for layer, bucket in self._fc_buckets():
             layer.note_pass_start(bucket)
         p = Pass(round_, task, shadow=shadow)
@@ -448,8 +450,9 @@ class Engine:
         self._close_pass(p)
         self.recorder.end_iteration()
         if facts.aborted and not p.aborted:
-            raise SyncError("a peer's backward was aborted (an exception on that rank) in this step: no gradient "
-                            "was averaged, local gradients are kept unsynced; skip the step on every rank")
+            peers = ", ".join(map(str, facts.aborted_ranks))
+            raise SyncError(f"the backward of rank(s) {peers} was aborted (an exception on that rank) in this step: "
+                            "no gradient was averaged, local gradients are kept unsynced; skip the step on every rank")
 
     def _write_averages(self, p: Pass, facts: PassFacts) -> None:
         """The averages of this pass into ``.grad`` (training thread, after every job): sync jobs never
@@ -608,14 +611,17 @@ class Engine:
     def backward_raised(self) -> bool:
         """The last synced backward raised: its pass is still open outside any backward (until the next
         forward, or a collective of the ServerOptimizer, finishes it)."""
-        return self._pass is not None and torch._C._current_graph_task_id() == -1
+        return (self._pass is not None or bool(self._armed)) and torch._C._current_graph_task_id() == -1
 
     def finish_aborted_pass(self) -> None:
         """A pass still open at the next forward was aborted (its backward raised): finish it so every
         rank's collectives stay in step, keeping nothing."""
         with self._lock:
             p = self._pass
+            armed = list(self._armed.values())
             self._armed.clear()
+            if p is None and armed:  # it raised after reaching the outputs, before any gradient arrived
+                p = self._open(armed[0], -1, queue_end=False)
             if p is None:
                 return
             p.aborted = True

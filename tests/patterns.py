@@ -173,6 +173,58 @@ def caught_exception_in_backward(rank: int, world_size: int, force: str) -> dict
     return {"steps": results}
 
 
+def one_rank_raises_in_backward(rank: int, world_size: int, force: str, server: bool) -> dict:
+    """At step 2 (FC layers on SFB by then, when forced) only the last rank's backward raises. Every
+    other rank's ``backward()`` (or, in parameter-server mode, ``step()``) must raise ``SyncError``
+    naming that rank, leave this rank's local gradient in ``.grad`` (not an average), and every rank
+    skips the step. Returns, per rank, what it saw, and the final parameters of this run and of torch
+    DDP skipping the same step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from poseidon_torch import ServerOptimizer, SyncError
+
+    bad_rank, bad_step = world_size - 1, 2
+    seen: dict = {"error": None, "local_diff": None, "average_diff": None}
+    finals = {}
+    for wrapper in ("poseidon", "ddp"):
+        module = MLP()
+        if wrapper == "ddp":
+            model = DDP(module, find_unused_parameters=True)  # MLP.side is not used
+            opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        else:
+            model = wrap(module, **(sfb_options("fc1", "head") if force == "SFB" else {"hybrid": False}))
+            opt = ServerOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9) if server else \
+                torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        for step in range(5):
+            x, y = data(step, rank)
+            bad = step == bad_step
+            if wrapper == "ddp" and bad:
+                continue  # the reference skips the bad batch on every rank
+            if bad:
+                plain = plain_copy(module)
+                F.mse_loss(plain(x), y).backward()
+                local, average = grads_of(plain), hand_average(plain)
+            out = model(x)
+            if bad and rank == bad_rank:
+                out.register_hook(lambda g: _raise(ValueError("bad batch")))
+            try:
+                F.mse_loss(out, y).backward()
+                opt.step()
+            except ValueError:
+                assert bad and rank == bad_rank
+            except SyncError as exc:
+                seen["error"] = str(exc)
+                if not server:  # server mode: .grad is never the average; nothing to check
+                    ours = grads_of(module)
+                    seen["local_diff"], seen["average_diff"] = compare(ours, local), compare(ours, average)
+            opt.zero_grad()
+        finals[wrapper] = {n: p.detach().clone() for n, p in module.named_parameters()}
+        if wrapper == "poseidon":
+            seen["outcomes"] = dict(model.comm_stats.outcome_by_bucket)
+            model.close()
+    return {**seen, "finals": finals, "fingerprint": fingerprint(finals["poseidon"]), "bad_rank": bad_rank}
+
+
 # ---- item 2: a no_grad forward between the training forward and its backward --------------------------
 
 def no_grad_forward_before_backward(rank: int, world_size: int, hybrid: bool) -> dict:
@@ -241,8 +293,8 @@ def sfb_pattern(rank: int, world_size: int, pattern: str) -> dict:
                 (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
                 loss = loss + 0.1 * gx.pow(2).sum()
             loss.backward()
-        elif pattern == "l2_on_weight":
-            (F.mse_loss(m(x), y) + 0.01 * module.fc1.weight.pow(2).sum()).backward()
+        elif pattern == "l2_on_weight":  # a penalty that differs by rank, so its average is not its local value
+            (F.mse_loss(m(x), y) + 0.01 * (rank + 1) * module.fc1.weight.pow(2).sum()).backward()
         elif pattern == "weight_hook":
             F.mse_loss(m(x), y).backward()
         elif pattern == "siamese":
@@ -374,6 +426,73 @@ def mixed_dtypes(rank: int, world_size: int) -> dict:
     results = run_steps(model, 3, simple_step(rank), rank)
     model.close()
     return {"steps": results}
+
+
+class HalfMLP(nn.Module):
+    """Every parameter in ``dtype`` (bf16 or fp16). ``big``: one Linear(12, 3) without bias, fed ones,
+    whose loss (see :func:`half_precision_average`) makes every weight's gradient 40000 on every rank:
+    their sum overflows fp16 (max 65504) unless it is taken in fp32."""
+
+    def __init__(self, dtype: torch.dtype, big: bool) -> None:
+        super().__init__()
+        self.init_args = (dtype, big)
+        torch.manual_seed(0)
+        self.dtype = dtype
+        self.fc1 = nn.Linear(12, 3 if big else 16, bias=not big).to(dtype)
+        self.head = nn.Identity() if big else nn.Sequential(nn.Tanh(), nn.Linear(16, 3).to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc1(x.to(self.dtype))).float()
+
+
+def half_precision_average(rank: int, world_size: int, dtype_name: str, big: bool, server: bool) -> dict:
+    """Two steps on the PS path with every parameter in bf16 or fp16. After each backward ``.grad``
+    (default mode) must be, bit for bit, the rank-order sum of every rank's local gradient taken in
+    fp32, divided by P and rounded to the dtype once; in parameter-server mode (SGD, lr 1e-3) the new
+    parameters must be those torch's SGD makes from that average. Returns the number of elements that
+    differ, per step."""
+    from poseidon_torch import ServerOptimizer
+
+    dtype = getattr(torch, dtype_name)
+    module = HalfMLP(dtype, big)
+    model = wrap(module, hybrid=False)
+    opt = ServerOptimizer(model, torch.optim.SGD, lr=1e-3) if server else torch.optim.SGD(module.parameters(), lr=1e-3)
+    mismatches, finite = [], []
+    for step in range(2):
+        x, y = data(step, rank)
+        if big:
+            x = torch.ones_like(x[:1])  # d loss / d W[i, j] = 40000 * x[j] = 40000, exact in fp16
+
+        def loss_of(m: nn.Module) -> torch.Tensor:
+            out = m(x)
+            return out.sum() * 40000.0 if big else F.mse_loss(out, y)
+
+        plain = plain_copy(module)
+        loss_of(plain).backward()
+        expected = {}
+        for name, p in plain.named_parameters():
+            parts = [torch.empty_like(p.grad) for _ in range(world_size)]
+            dist.all_gather(parts, p.grad)
+            total = parts[0].float()
+            for part in parts[1:]:
+                total += part.float()
+            expected[name] = (total / world_size).to(dtype)
+        reference = plain_copy(module)  # the parameters before this step
+        loss_of(model).backward()
+        if server:
+            for name, p in reference.named_parameters():
+                p.grad = expected[name]
+            torch.optim.SGD(reference.parameters(), lr=1e-3).step()
+            opt.step()
+            got, want = dict(module.named_parameters()), dict(reference.named_parameters())
+        else:
+            got, want = {n: p.grad for n, p in module.named_parameters()}, expected
+            opt.step()
+        mismatches.append(sum(int((got[n] != want[n]).sum()) for n in want))
+        finite.append(all(bool(torch.isfinite(got[n]).all()) for n in want))
+        opt.zero_grad()
+    model.close()
+    return {"mismatches": mismatches, "finite": finite}
 
 
 # ---- item 8: activation checkpointing, reentrant and not, with FC layers inside -------------------------

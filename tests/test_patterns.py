@@ -46,6 +46,29 @@ def test_caught_exception_in_backward_does_not_leak_into_next_steps(cluster, for
     assert_exact(cluster.run(patterns.caught_exception_in_backward, force, timeout=60, env=env))
 
 
+@pytest.mark.parametrize("server", [False, True], ids=["default-mode", "server-mode"])
+@pytest.mark.parametrize("env", CORES)
+@pytest.mark.parametrize("force", ["PS", "SFB"])
+def test_a_peer_whose_backward_raised_is_named_and_nobody_steps(cluster, force, env, server):
+    """Only the last rank raises: the others must not return from backward()/step() with their local
+    gradient as if it were the average (a silent divergence); they raise SyncError naming that rank,
+    their .grad keeps the local gradient, and after every rank skips the step they agree bit for bit
+    with torch DDP skipping the same batch."""
+    results = cluster.run(patterns.one_rank_raises_in_backward, force, server, timeout=90, env=env)
+    for rank, r in enumerate(results):
+        if rank == r["bad_rank"]:
+            assert r["error"] is None, r["error"]
+            continue
+        assert r["error"] is not None and f"rank(s) {r['bad_rank']} was aborted" in r["error"], r["error"]
+        if not server:
+            assert r["local_diff"] <= TOL < r["average_diff"], (r["local_diff"], r["average_diff"])
+        for name, value in r["finals"]["ddp"].items():
+            torch.testing.assert_close(r["finals"]["poseidon"][name], value, rtol=1e-5, atol=1e-6)
+    assert len({r["fingerprint"] for r in results}) == 1, "the ranks' parameters differ"
+    if force == "SFB":  # the step after the bad one syncs on SFB again
+        assert results[0]["outcomes"]["fc1"] == "SFB"
+
+
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_no_grad_forward_between_forward_and_backward(cluster, hybrid):
     assert_exact(cluster.run(patterns.no_grad_forward_before_backward, hybrid, timeout=60))
@@ -133,6 +156,17 @@ def test_amp_autocast_bf16(cluster, force):
     assert_exact(results, tol=2e-2)  # bf16 forward: the reference itself differs at bf16 rounding
     if force == "SFB":
         assert_paths(results, {"fc1": SFB_ON, "head": SFB_ON})
+
+
+@pytest.mark.parametrize("server", [False, True], ids=["default-mode", "server-mode"])
+@pytest.mark.parametrize("env", CORES)
+@pytest.mark.parametrize("case", ["bfloat16", "float16", "float16-near-overflow"])
+def test_half_precision_is_summed_in_fp32_and_rounded_once(cluster, case, env, server):
+    """bf16 and fp16 averages are the fp32 rank-order sum divided by P, rounded once: bit for bit (at
+    P = 3 a sum in the parameter's own dtype differs; at any P, 40000 per rank overflows fp16)."""
+    dtype, big = case.split("-")[0], case.endswith("overflow")
+    for r in cluster.run(patterns.half_precision_average, dtype, big, server, timeout=60, env=env):
+        assert r["mismatches"] == [0, 0] and all(r["finite"]), r
 
 
 def test_parameters_of_several_dtypes(cluster):
