@@ -9,20 +9,26 @@ from hypothesis import strategies as st
 
 import server_workers
 from models import ModelSpec, fc_specs, model_specs
+from rounding import adam_slack, assert_close_within_slack
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 4
 CORES = [pytest.param({"POSEIDON_ENGINE": "python"}, id="python-core"), pytest.param({}, id="default-core")]
 
 
-def assert_same_parameters(results: list[dict], anchors: tuple[str, ...] = ("ddp",)) -> None:
+def assert_same_parameters(results: list[dict], anchors: tuple[str, ...] = ("ddp",),
+                           slack: dict[str, torch.Tensor] | None = None) -> None:
     """Every rank's parameters and buffers equal every anchor's, and the ranks' parameters agree bit
-    for bit (buffers such as BatchNorm's running statistics are per rank after a forward, as in DDP)."""
+    for bit (buffers such as BatchNorm's running statistics are per rank after a forward, as in DDP).
+    ``slack``: per parameter, how far Adam may carry the rounding of the rank sum (``rounding.py``)."""
     rank0 = results[0]["server"]["state"]
     for rank, result in enumerate(results):
         ours = result["server"]["state"]
         for anchor in anchors:
             for name, value in result[anchor]["state"].items():
+                if slack is not None and name in slack:
+                    assert_close_within_slack(ours[name], value, slack[name], RTOL, ATOL, f"rank {rank} {name} vs {anchor}")
+                    continue
                 torch.testing.assert_close(ours[name], value, rtol=RTOL, atol=ATOL,
                                            msg=lambda m: f"rank {rank} {name} vs {anchor}: {m}")
         for name in result["server"]["params"]:
@@ -58,7 +64,22 @@ def test_ps_models_match_ddp(cluster, spec, optimizer, groups, schedule, chunk_b
     assume(adaptive_safe(spec, optimizer))
     results = cluster.run(server_workers.train_against, spec, ("ddp",), optimizer, STEPS, 3,
                           dict(groups=groups, schedule=schedule, options={"hybrid": False, "chunk_bytes": chunk_bytes}))
-    assert_same_parameters(results)
+    assert_same_parameters(results, slack=adam_slack(spec, optimizer, STEPS, 3, cluster.world_size, groups, schedule))
+
+
+def test_adamw_where_the_ranks_gradients_cancel(cluster):
+    """The example that failed by chance at P = 3 (issue 18): a weight whose three rank gradients
+    cancel to 1/75000 of their size at step 1. Held to rtol 1e-5 / atol 1e-6 plus the first-order
+    bound of what two fp32 orders of that sum can do through AdamW, and no further."""
+    spec = ModelSpec(in_features=11, widths=(10, 9), out_features=4, seed=75)
+    results = cluster.run(server_workers.train_against, spec, ("ddp",), "adamw", STEPS, 3,
+                          dict(options={"hybrid": False, "chunk_bytes": 64}))
+    slack = adam_slack(spec, "adamw", STEPS, 3, cluster.world_size)
+    weight = slack["body.0.weight"]
+    assert float(weight.median()) < 1e-7 and float(weight.max()) < 1e-4  # loosened only where they cancel
+    if cluster.world_size == 3:
+        assert float(weight.max()) > 1e-6  # the cancelling element (P = 2 shards the batch otherwise)
+    assert_same_parameters(results, slack=slack)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
