@@ -20,11 +20,16 @@ CUDA events. Invariants:
 - ``dirty`` marks parameters whose ``.grad`` holds local, unsynced gradient (accumulated under
   ``no_sync`` or in an aborted pass): they count as used at the next synced backward, however long
   the no_sync session lasted. ``seen``, ``dirty`` and ``used_anywhere`` are uint8 tensors that the
-  core (Python or native) and the paths share; the bucket's readiness countdown lives in the core.
+  core (Python or native) and the paths share; the bucket's readiness countdown lives in the core;
+- a pass copies ``.grad`` into the flat buffer once (:meth:`Bucket.stage`), by its sync job or, in a
+  pass whose jobs run on after ``backward()`` returns, by the training thread before it returns,
+  whichever comes first: no job reads ``.grad`` after ``backward()`` returned, so what the user does
+  to ``.grad`` then cannot change the sync.
 """
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -76,6 +81,8 @@ class Bucket:
         self.bytes_sent = 0  #: by this rank in the bucket's last sync
         self.sync_seconds = 0.0  #: how long the bucket's last sync job took
         self.outcome = ""  #: how its last sync went: "PS", "SFB", or "SFB->PS" (exactness fallback)
+        self.staged = False  #: this pass's ``.grad`` is in the flat buffer (see :meth:`stage`)
+        self._staging = threading.Lock()
         self.ready_event = self.done_event = None
         if self.device.type == "cuda":
             self.ready_event, self.done_event = torch.cuda.Event(), torch.cuda.Event()
@@ -104,10 +111,28 @@ class Bucket:
         for p, offset in zip(self.params, self.offsets):
             yield p, flat[offset:offset + p.numel()].view(p.shape)
 
-    def gather(self, aborted: bool, shadow: bool = False) -> None:
-        """Copy this rank's ``.grad`` (zeros where None), the used flags (accumulated in this pass, or
-        dirty) and the aborted flag into the flat buffer; a ``shadow`` (joined) rank contributes zeros
-        and no flags."""
+    def stage(self, aborted: bool, shadow: bool = False, grads_present: bool = False) -> None:
+        """Once per pass (the first caller, a sync job or the training thread, does it): copy this rank's
+        ``.grad`` (zeros where None), the used flags (accumulated in this pass, or dirty) and the aborted
+        flag into the flat buffer; a ``shadow`` (joined) rank contributes zeros and no flags.
+        ``grads_present``: also flag every parameter that has a ``.grad`` (an optimizer steps those)."""
+        with self._staging:
+            if self.staged:
+                return
+            self._gather(aborted, shadow)
+            if grads_present and not shadow:
+                flags = self.flat[self.grad_numel:-1]
+                for j, p in enumerate(self.params):
+                    if p.grad is not None:
+                        flags[j] = USED
+            self.staged = True
+
+    def unstage(self) -> None:
+        """A new pass (or a late gradient): the next :meth:`stage` copies ``.grad`` again."""
+        with self._staging:
+            self.staged = False
+
+    def _gather(self, aborted: bool, shadow: bool) -> None:
         if shadow:
             self.flat.zero_()
             return
@@ -122,9 +147,10 @@ class Bucket:
         if self.flat.device != self.device:  # staged through host memory: gloo reads it next
             torch.cuda.current_stream(self.device).synchronize()
 
-    def forget_cleared(self) -> None:
-        """A pass opens: a dirty parameter whose ``.grad`` the user has since set to None (``zero_grad()``
-        after a skipped step) holds nothing unsynced any more."""
+    def begin_pass(self) -> None:
+        """A pass opens: nothing of it is staged yet; a dirty parameter whose ``.grad`` the user has since
+        set to None (``zero_grad()`` after a skipped step) holds nothing unsynced any more."""
+        self.unstage()
         if self.dirty.any():
             for j, p in enumerate(self.params):
                 if p.grad is None:

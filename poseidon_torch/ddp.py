@@ -322,13 +322,6 @@ class PoseidonDDP(nn.Module, Joinable):
         if self._engine is not None:
             self._engine.settle()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As ``nn.Module.zero_grad``; in parameter-server mode it first waits for the last step's jobs,
-        which read ``.grad`` (``ServerOptimizer.zero_grad`` does not wait)."""
-        if self._engine is not None and self._engine.server is not None:
-            self._engine.drain()
-        super().zero_grad(set_to_none)
-
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally in this context; the next synced backward syncs them."""

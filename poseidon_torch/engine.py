@@ -107,7 +107,6 @@ class Deferred:
     applied: list[bool]
     versions: dict[int, int]  #: every parameter's version when backward returned
     drained: bool = False
-    after: list = field(default_factory=list)  #: what waits for the drain (a deferred zero_grad)
 
 
 @dataclass
@@ -336,7 +335,7 @@ class Engine:
 
     def _open(self, round_: Round | None, task: int, queue_end: bool, shadow: bool = False) -> Pass:
         for bucket in self.buckets:
-            bucket.forget_cleared()
+            bucket.begin_pass()
         for layer, bucket in self._fc_buckets():
             layer.note_pass_start(bucket)
         p = Pass(round_, task, shadow=shadow)
@@ -386,7 +385,10 @@ class Engine:
         exchange = self._control.start_all_gather(everyone, mine)
         self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
         may_defer = self.server is not None and self._learned and not p.aborted
-        if not may_defer:
+        if may_defer:  # the jobs may run on after backward() returns: what they read of .grad, now
+            for bucket, ctx in zip(self.buckets, p.contexts):
+                self._path(bucket, ctx.path).stage(bucket, ctx)
+        else:
             self._guarded(p, self._wait_jobs)
         self._guarded(p, partial(_wait_exchange, exchange))
         facts = self.coordinator.observe(everyone.view(self.world_size, -1), len(self.buckets))
@@ -439,6 +441,7 @@ class Engine:
                             "that bucket's update (reentrant checkpointing or a hook that runs backward again?): "
                             "the late part was not applied")
         for bucket in late:  # a gradient arrived after its bucket's sync: average what .grad holds now
+            bucket.unstage()
             if drive(self._ps.sync(bucket, self._channels[0], SyncContext(PS, p.task, p.aborted, p.shadow))):
                 bucket.scatter()
         self._update_stats(p, late)
@@ -458,16 +461,20 @@ class Engine:
         """The averages of this pass into ``.grad`` (training thread, after every job): sync jobs never
         write ``.grad``, so nothing of a backward that raised can land after the user's ``zero_grad()``;
         an aborted pass keeps its local gradients as unsynced."""
-        staged = {layer.name: layer.take_staged() for layer in self.fc.values()}
+        averages = {layer.name: layer.take_average() for layer in self.fc.values()}
+        locals_ = {layer.name: layer.take_local() for layer in self.fc.values()}
         if self.server is not None or p.shadow:
             return
         for bucket in self.buckets:
-            if facts.aborted:
+            name = bucket.fc.name if bucket.fc is not None else None
+            if facts.aborted:  # keep the local gradient, unsynced: a fallback's factor part too
                 bucket.dirty |= bucket.seen
+                if locals_.get(name) is not None:
+                    bucket.fc.add_to_grad(locals_[name])
             elif bucket.outcome in (PS, "SFB->PS"):
                 bucket.scatter()
-            elif bucket.fc is not None and staged.get(bucket.fc.name) is not None:
-                bucket.fc.add_average(*staged[bucket.fc.name])
+            elif averages.get(name) is not None:
+                bucket.fc.add_to_grad(averages[name])
 
     def _close_pass(self, p: Pass) -> None:
         with self._lock:
@@ -562,14 +569,6 @@ class Engine:
             torch.cuda.current_stream().wait_event(bucket.done_event)
         apply_values(bucket)
 
-    def deferred_pending(self) -> bool:
-        """A deferred pass's jobs may still run (and read ``.grad``)."""
-        return self._deferred is not None and not self._deferred.drained
-
-    def after_drain(self, fn) -> None:
-        """Run ``fn`` once the deferred pass's jobs are done (training thread)."""
-        self._deferred.after.append(fn)
-
     def drain(self, output: object = None) -> None:
         """Wait for every job of a deferred pass and apply every new value (local, no collective).
         ``output``: the forward that just ran; a parameter it read before its new value arrived (read
@@ -584,8 +583,6 @@ class Engine:
         for index in late:
             self._apply(index, deferred)
         deferred.drained = True
-        for fn in deferred.after:
-            fn()
 
     def _check_not_read(self, output: object, late: list[int]) -> None:
         names = {id(p): name for index in late for name, p in zip(self.buckets[index].param_names,

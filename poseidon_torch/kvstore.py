@@ -163,7 +163,7 @@ class PSPath:
         """Average ``bucket``'s gradients over all ranks; yields the phases as they begin. ``ctx``
         (the engine's SyncContext) says whether this rank's backward was aborted or it has joined."""
         yield "gather"
-        bucket.gather(ctx.aborted, ctx.shadow)
+        self.stage(bucket, ctx)
         yield "network"
         self.average(bucket, groups)
         bucket.bytes_sent = self.bytes_sent(bucket)
@@ -171,6 +171,10 @@ class PSPath:
         if ctx.shadow:
             return False
         return bucket.read_flags()  # the engine scatters the averages when the backward ends
+
+    def stage(self, bucket: Bucket, ctx) -> None:
+        """What this path reads of the rank's gradients, into the flat buffer (see :meth:`Bucket.stage`)."""
+        bucket.stage(ctx.aborted, ctx.shadow)
 
     def average(self, bucket: Bucket, groups: ChannelGroups) -> None:
         """Push, aggregate and pull ``bucket.flat`` in place (the network part of a sync)."""

@@ -40,7 +40,6 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -368,14 +367,13 @@ class ServerPath:
     def __init__(self, ps: PSPath, server: Server) -> None:
         self.ps, self.server = ps, server
 
+    def stage(self, bucket: Bucket, ctx) -> None:
+        # torch steps every parameter that has a .grad (zeros too): so do the owners
+        bucket.stage(ctx.aborted, ctx.shadow, grads_present=True)
+
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
         yield "gather"
-        bucket.gather(ctx.aborted, ctx.shadow)
-        if not ctx.shadow:  # torch steps every parameter that has a .grad (zeros too): so do the owners
-            flags = bucket.flat[bucket.grad_numel:-1]
-            for j, p in enumerate(bucket.params):
-                if p.grad is not None:
-                    flags[j] = 1
+        self.stage(bucket, ctx)
         yield "network"
         self.ps.push(bucket, groups)
         flags = self.ps.owner_flags(bucket)
@@ -407,14 +405,20 @@ class SFBUpdatePath:
         self.inner, self.ps, self.server = inner, ps, server
         self.name = inner.name
 
+    def stage(self, bucket: Bucket, ctx) -> None:
+        self.inner.stage(bucket, ctx)
+
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
+        # staged at once (not only on a fallback): this job may run after backward() returned, and the
+        # buffer then carries new values, which a later staging must not overwrite
+        self.stage(bucket, ctx)
         synced = yield from self.inner.sync(bucket, groups, ctx)
         if not synced:  # aborted, or no rank used the layer: the same on every rank
             return False
         shard = self.server.shard(bucket)
         used = bucket.used_anywhere.tolist()
-        staged = bucket.fc.take_staged()  # the rebuilt average; None after a fallback to PS (in the buffer)
-        average = dict(zip(map(id, bucket.fc.params), staged)) if staged is not None else \
+        rebuilt = bucket.fc.take_average()  # None after a fallback to PS: the average is in the buffer
+        average = dict(zip(map(id, bucket.fc.params), rebuilt)) if rebuilt is not None else \
             {id(p): view for p, view in bucket.views()}
         shard.stage([average[id(piece.param)].reshape(-1)[piece.lo:piece.hi].view(piece.tensor.shape)
                      if used[piece.position] and average[id(piece.param)] is not None else None
@@ -558,16 +562,6 @@ class ServerOptimizer(torch.optim.Optimizer):
                                "now: nothing syncs or steps them; unfreeze before wrapping with PoseidonDDP (or wrap again)")
         if not self.lazy_pull:
             self.model.synchronize()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As any optimizer's (``.grad`` keeps what backward accumulated, as before a plain optimizer's
-        ``step()``; it is not the average). While a lazy pull is under way its jobs may still be reading
-        ``.grad``: the clearing then waits until they are done (before the next forward returns)."""
-        engine = self.model.engine
-        if engine.deferred_pending():
-            engine.after_drain(partial(torch.optim.Optimizer.zero_grad, self, set_to_none))
-            return
-        super().zero_grad(set_to_none)
 
     def local_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""

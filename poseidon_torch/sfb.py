@@ -23,7 +23,8 @@ Invariants (SFB only where it is exact):
   calls: a penalty term, a call outside the wrapper's forward, checkpoint recomputation; local no_sync
   accumulation; a call that was not detached; user hooks on W or b) says so in the header, and every
   rank then sends the layer through the PS path for this pass, with each rank's full local gradient
-  (the factors' part added in, the user's tensor hooks applied to it): exact in every case;
+  (the factors' part added to the staged ``.grad`` in the flat buffer, the user's tensor hooks applied
+  to it; ``.grad`` itself is written only by the engine, on the training thread): exact in every case;
 - a backward with ``create_graph=True`` through a detached call cannot be exact (the higher-order
   gradient of W is lost) and raises at once; layers seen in such a pass are never committed;
 - factors travel in the parameter's dtype and the rebuild runs in fp32;
@@ -37,7 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from .bucket import Bucket, Layer
+from .bucket import USED, Bucket, Layer
 from .graph import hook_target
 from .kvstore import PSPath
 from .pools import ChannelGroups
@@ -260,7 +261,10 @@ class FCLayer:
         #: at the end of a backward that was not aborted, or the server's update consumes it: a sync job
         #: never writes ``.grad`` itself, so nothing of an aborted backward can land after the user's
         #: ``zero_grad()``
-        self.staged: tuple[Tensor, Tensor] | None = None
+        self.average: tuple[Tensor, ...] | None = None
+        #: the factors' local gradient a fallback to PS added to the flat buffer: the engine adds it to
+        #: ``.grad`` if the pass ends aborted (``.grad`` then keeps this rank's whole local gradient)
+        self.local: tuple[Tensor, ...] | None = None
         self._witness: Tensor | None = None
         self._calls: list[bool | None] = []
         with torch.enable_grad():
@@ -404,26 +408,37 @@ class FCLayer:
         if self._witness is not None and bucket.seen.any():
             self.sticky |= UNCOVERED
 
-    def materialize(self, bucket: Bucket, u: Tensor, v: Tensor) -> None:
-        """Add the factors' local gradient to ``.grad``, as autograd would have (the user's tensor
-        hooks applied), so the PS path can average full local gradients."""
+    def add_local(self, bucket: Bucket, u: Tensor, v: Tensor) -> None:
+        """Add the factors' local gradient, as autograd would have made it (the user's tensor hooks
+        applied), to the staged ``.grad`` in the bucket's flat buffer, so the PS path averages full
+        local gradients; keep it in :attr:`local`."""
         if u.shape[0] == 0:
             return
-        grad_w, grad_b = rebuild_gradients(u, v, 1, self.spec)
-        for p, grad in zip(self.params, (grad_w, grad_b)):
+        views = dict(bucket.views())
+        local = []
+        for p, grad in zip(self.params, rebuild_gradients(u, v, 1, self.spec)):
             grad = grad.to(p.dtype)
             for hook in (p._backward_hooks or {}).values():
                 result = hook(grad)
                 grad = grad if result is None else result
-            p.grad = grad if p.grad is None else p.grad + grad
-            bucket.seen[bucket.position[id(p)]] = True
+            views[p] += grad
+            j = bucket.position[id(p)]
+            bucket.flat[bucket.grad_numel + j] = USED
+            bucket.seen[j] = True
+            local.append(grad)
+        self.local = tuple(local)
 
-    def take_staged(self) -> tuple[Tensor, Tensor] | None:
-        staged, self.staged = self.staged, None
-        return staged
+    def take_average(self) -> tuple[Tensor, ...] | None:
+        average, self.average = self.average, None
+        return average
 
-    def add_average(self, grad_w: Tensor, grad_b: Tensor) -> None:
-        for p, grad in zip(self.params, (grad_w, grad_b)):
+    def take_local(self) -> tuple[Tensor, ...] | None:
+        local, self.local = self.local, None
+        return local
+
+    def add_to_grad(self, grads: tuple[Tensor, ...]) -> None:
+        """``.grad += grads`` (the training thread, at the end of a backward)."""
+        for p, grad in zip(self.params, grads):
             grad = grad.to(p.dtype)
             if p.grad is None:
                 p.grad = grad
@@ -494,6 +509,10 @@ class SFBPath:
     def __init__(self, ps: PSPath, world_size: int, wire_device: torch.device) -> None:
         self.ps, self.world_size, self.wire_device = ps, world_size, wire_device
 
+    def stage(self, bucket: Bucket, ctx) -> None:
+        """What a fallback to the PS path reads of ``.grad`` (the factors themselves are held by the layer)."""
+        self.ps.stage(bucket, ctx)
+
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
         """Sync one FC layer's bucket through SFB (``ctx``: the engine's SyncContext, with the pass's
         backward ``task`` and the rows ``k_pad`` to make room for)."""
@@ -513,8 +532,9 @@ class SFBPath:
             # rank sends its whole local gradient through the PS path instead, exact in every case.
             # An aborted backward of this rank is drained at the next forward, after the user may
             # have zeroed .grad: its factors are dropped, as the rest of that backward is.
+            self.ps.stage(bucket, ctx)
             if not (ctx.shadow or ctx.aborted):
-                layer.materialize(bucket, u, v)
+                layer.add_local(bucket, u, v)
             layer.consume(ctx.task)
             synced = yield from self.ps.sync(bucket, groups, ctx)
             bucket.bytes_sent += sent
@@ -531,8 +551,7 @@ class SFBPath:
         if ctx.shadow or k_max == 0:  # no rank used the layer: its gradients stay untouched, as in DDP
             return k_max > 0
         yield "rebuild"
-        grad_w, grad_b = rebuild_gradients(got.u, got.v, self.world_size, layer.spec)
-        layer.staged = (grad_w.to(bucket.device), grad_b.to(bucket.device))
+        layer.average = tuple(g.to(bucket.device) for g in rebuild_gradients(got.u, got.v, self.world_size, layer.spec))
         return True
 
 

@@ -155,6 +155,48 @@ def delayed_pulls(rank: int, world_size: int, delay_s: float) -> dict:
     return {**states, "waited_in_forward": waited}
 
 
+GRAD_EDITS = {  # what training loops do to .grad between backward() and step()
+    "zero_in_place": lambda params: [p.grad.zero_() for p in params if p.grad is not None],
+    "clip_grad_norm_": lambda params: torch.nn.utils.clip_grad_norm_(params, 1e-3),
+    "set_to_none": lambda params: [setattr(p, "grad", None) for p in params],
+    "rescale": lambda params: [p.grad.mul_(100.0) for p in params if p.grad is not None],
+}
+
+
+def grad_edit_after_backward(rank: int, world_size: int, edit: str, lazy: bool, force: str) -> dict:
+    """ServerOptimizer with sync jobs slowed before they read anything, so that from the second step
+    (buckets learned: backward() returns while its jobs run) they run after backward() returned; the
+    loop edits ``.grad`` right after backward(). The documented contract: the update already used this
+    step's average, so the edit has no effect: the parameters are those of DDP + the same optimizer
+    without the edit, whatever the timing."""
+    from poseidon_torch.server import ServerPath
+    from poseidon_torch.sfb import SFBPath
+
+    spec = ModelSpec(widths=(16, 16), out_features=4)
+    states = {}
+    for wrapper in ("server", "ddp"):
+        model = build(spec, seed=1)
+        options = {"hybrid": False, "fusion_bytes": 0} if force == "PS" else {"force": "SFB", "fusion_bytes": 0}
+        wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, options)) if wrapper == "server" else DDP(model)
+        opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=lazy)
+        if wrapper == "server":
+            engine = wrapped.engine
+            engine._server_path = slowed(ServerPath, ("gather",), 0.05)(engine._ps, engine.server)
+            engine.paths["SFB"] = slowed(SFBPath, ("gather",), 0.05)(engine._ps, world_size, torch.device("cpu"))
+            engine._sfb_update.inner = engine.paths["SFB"]
+        for step in range(4):
+            x, y = batch(spec, step, 2, world_size)
+            F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+            if wrapper == "server":
+                GRAD_EDITS[edit](list(model.parameters()))
+            opt.step()
+            opt.zero_grad()
+        if wrapper == "server":
+            states["outcomes"] = dict(wrapped.comm_stats.outcome_by_bucket)
+        states[wrapper] = final_state(wrapped, model)
+    return states
+
+
 def final_state(wrapped: nn.Module, model: nn.Module) -> dict:
     """The model's state after the last step (a PoseidonDDP is synchronized and closed first)."""
     if isinstance(wrapped, PoseidonDDP):

@@ -124,6 +124,21 @@ def test_forward_waits_for_its_layers_new_values(cluster):
             torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("force", ["PS", "SFB"])
+@pytest.mark.parametrize("lazy", [False, True], ids=["step-waits", "lazy-pull"])
+@pytest.mark.parametrize("edit", sorted(server_workers.GRAD_EDITS))
+def test_editing_grad_after_backward_has_no_effect_whatever_the_timing(cluster, edit, lazy, force):
+    """Issue 19: sync jobs that ran after backward() returned read the edited .grad (a zero_grad, an
+    in-place clip_grad_norm_), so the update depended on timing. Jobs now never read .grad once
+    backward() has returned: the update is DDP's without the edit."""
+    results = cluster.run(server_workers.grad_edit_after_backward, edit, lazy, force)
+    for result in results:
+        for name, value in result["ddp"].items():
+            torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)
+    if force == "SFB":
+        assert set(results[0]["outcomes"].values()) == {"SFB"}, results[0]["outcomes"]
+
+
 @pytest.mark.parametrize("options", [{"hybrid": False}, {"force": "SFB"}], ids=["PS", "SFB"])
 def test_optimizer_state_is_sharded(cluster, options):
     """Also for FC layers on SFB: their owners update them and the new values are pulled."""
