@@ -22,7 +22,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from .compat import DDPArguments
 from .coordinator import Plan
 from .core import native_status
 from .engine import CommStats, Engine
@@ -70,6 +71,7 @@ class Options:
     num_channels: int
     timeout: float
     broadcast_buffers: bool
+    init_sync: bool
     hybrid: bool
     overrides: tuple[tuple[str, str], ...]
     link: LinkModel | None
@@ -98,7 +100,7 @@ class Options:
             expect(name, isinstance(value, int) and not isinstance(value, bool), "an int")
         expect("timeout", isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool),
                "a number of seconds")
-        for name in ("broadcast_buffers", "hybrid"):
+        for name in ("broadcast_buffers", "init_sync", "hybrid"):
             expect(name, isinstance(getattr(self, name), bool), "True or False")
         expect("link", self.link is None or isinstance(self.link, LinkModel), "a LinkModel or None")
         expect("engine", isinstance(self.engine, str), "a string")
@@ -109,6 +111,11 @@ class PoseidonDDP(nn.Module, Joinable):
 
     Args:
         module: the model, already on its device (CPU, or one CUDA device per process).
+        device_ids ... forward_sync_buffers: torch DDP's arguments, in DDP's order, so that code and
+            frameworks that construct DDP can construct this instead (see ``compat.py`` for what each
+            means here): ``bucket_cap_mb`` is the fusion cap, ``broadcast_buffers`` /
+            ``forward_sync_buffers`` keep buffers on rank 0's values, ``init_sync=False`` skips the
+            broadcast of rank 0's state, ``device_ids`` / ``output_device`` must name the module's device.
         chunk_bytes: size of the pieces the gradient space is cut into for the KV-store shards
             (default 2 MiB, or ``POSEIDON_CHUNK_BYTES``).
         fusion_bytes: the largest bucket (default 4 MiB, or ``POSEIDON_FUSION_BYTES``); 0 keeps every
@@ -116,8 +123,6 @@ class PoseidonDDP(nn.Module, Joinable):
         num_channels: sync threads, each with its own process groups (default 2, or
             ``POSEIDON_NUM_CHANNELS``).
         timeout: seconds any wait may take before the step fails (dead or stuck peer).
-        broadcast_buffers: copy rank 0's buffers to every rank at each synced forward in training mode.
-        process_group: the group to train over (default: the world); only its members construct.
         hybrid: let the coordinator send fully connected layers through SFB where that is cheaper and
             exact; False sends every layer through the PS path.
         overrides: force a path per layer, e.g. ``{"classifier.0": "SFB", "fc2": "PS"}`` (SFB only
@@ -129,11 +134,19 @@ class PoseidonDDP(nn.Module, Joinable):
             is built, else the Python one; ``"python"``: the Python reference core.
     """
 
-    def __init__(self, module: nn.Module, *, chunk_bytes: int | None = None, fusion_bytes: int | None = None,
-                 num_channels: int | None = None, timeout: float = 300.0, broadcast_buffers: bool = True,
-                 process_group: Any = None, hybrid: bool = True, overrides: dict[str, str] | None = None,
-                 link: LinkModel | None = None, trace_dir: str | None = None, trace_skip: int | None = None,
-                 trace_iters: int | None = None, engine: str | None = None) -> None:
+    def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None, dim: int = 0, broadcast_buffers: bool | None = None,
+                 init_sync: bool = True, process_group: Any = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params: Any = None, param_to_hook_all_reduce: Any = None,
+                 mixed_precision: Any = None, device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: Sequence[float] | None = None, batched_grad_copy: bool = False,
+                 forward_sync_buffers: bool | None = None, *, chunk_bytes: int | None = None,
+                 fusion_bytes: int | None = None, num_channels: int | None = None, timeout: float = 300.0,
+                 hybrid: bool = True, overrides: dict[str, str] | None = None, link: LinkModel | None = None,
+                 trace_dir: str | None = None, trace_skip: int | None = None, trace_iters: int | None = None,
+                 engine: str | None = None) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
         if not dist.is_initialized():
@@ -141,15 +154,23 @@ class PoseidonDDP(nn.Module, Joinable):
         self.module = module
         if overrides is not None and not isinstance(overrides, Mapping):
             raise TypeError(f"PoseidonDDP option overrides must be a dict {{layer: 'PS' or 'SFB'}}, got {overrides!r}")
+        self._ddp_arguments = ddp = DDPArguments(
+            device_ids, output_device, dim, broadcast_buffers, init_sync, process_group, bucket_cap_mb,
+            find_unused_parameters, check_reduction, gradient_as_bucket_view, static_graph,
+            delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
+            skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy, forward_sync_buffers)
+        if fusion_bytes is not None and ddp.fusion_bytes is not None:
+            raise ValueError("pass either fusion_bytes or bucket_cap_mb (torch DDP's name for it), not both")
         self.options = Options(
             chunk_bytes=option(chunk_bytes, "CHUNK_BYTES", int, DEFAULT_CHUNK_BYTES),
-            fusion_bytes=option(fusion_bytes, "FUSION_BYTES", int, DEFAULT_FUSION_BYTES),
+            fusion_bytes=option(fusion_bytes if ddp.fusion_bytes is None else ddp.fusion_bytes, "FUSION_BYTES", int,
+                                DEFAULT_FUSION_BYTES),
             num_channels=option(num_channels, "NUM_CHANNELS", int, DEFAULT_NUM_CHANNELS),
-            timeout=timeout, broadcast_buffers=broadcast_buffers, hybrid=hybrid,
+            timeout=timeout, broadcast_buffers=ddp.buffers_follow_rank0, init_sync=init_sync, hybrid=hybrid,
             overrides=tuple(sorted((overrides or {}).items())), link=link,
             trace=TraceConfig.resolve(trace_dir, trace_skip, trace_iters),
             engine=option(engine, "ENGINE", str, "native"))
-        self._group = process_group or dist.group.WORLD
+        self._group = ddp.group or dist.group.WORLD
         self._group_ranks = dist.get_process_group_ranks(self._group)
         if dist.get_rank() not in self._group_ranks:
             raise ValueError(f"rank {dist.get_rank()} is not a member of process_group (ranks {self._group_ranks})")
@@ -157,6 +178,7 @@ class PoseidonDDP(nn.Module, Joinable):
         self._require_sync = True
         self._engine: Engine | None = None
         self._closed = False
+        ddp.note_unneeded(self._group_ranks.index(dist.get_rank()))
         self._start()
 
     # ---- the engine's lifetime -------------------------------------------------------------------
@@ -172,9 +194,11 @@ class PoseidonDDP(nn.Module, Joinable):
                                      timedelta(seconds=options.timeout))
         check_same_model(self.module, options, self._groups.control)
         device = _single_device(self.module)
+        self._ddp_arguments.check_device(device)
         self._staged = device.type == "cuda" and self._backend == "gloo"
-        broadcast_from(list(self.module.parameters()) + list(self.module.buffers()), self._groups.data,
-                       self._staged, 0)
+        if options.init_sync:
+            broadcast_from(list(self.module.parameters()) + list(self.module.buffers()), self._groups.data,
+                           self._staged, 0)
         self._has_buffers = any(True for _ in self.module.buffers())
         self.recorder = Recorder(options.trace, self.rank, self.world_size, self._groups.control.all_gather_objects)
         link, gemm = self._cost_inputs(device)
@@ -321,6 +345,15 @@ class PoseidonDDP(nn.Module, Joinable):
         forward and ``ServerOptimizer.step()`` do it already; the parameters' ``state_dict`` too)."""
         if self._engine is not None:
             self._engine.settle()
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag: False while gradients accumulate locally (what ``no_sync()`` sets)."""
+        return self._require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._require_sync = bool(value)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -267,6 +267,8 @@ class Server:
         self._may_abort = False  #: the open pass's facts are not known yet: a step keeps an undo copy
         self._norm_known = threading.Event()
         self._norm_known.set()
+        self._stepped = False  #: a pass's updates stood (it was not aborted)
+        self._loaded = False   #: the state was loaded from a non-empty state dict
 
     def begin_pass(self) -> None:
         """A synced pass opens: its updates use the hyperparameters in effect now (an LR scheduler
@@ -322,6 +324,7 @@ class Server:
         if aborted:
             return
         self._may_abort = False
+        self._stepped = True
         self._drop_undo()
 
     def _drop_undo(self) -> None:
@@ -350,13 +353,18 @@ class Server:
                 out[key].extend(items)
         return dict(out)
 
+    def state_bytes(self) -> int:
+        return sum(shard.state_bytes() for shard in self.shards.values())
+
+    def has_state(self) -> bool:
+        """Some rank holds optimizer state: a step stood, or a state was loaded (the same on every rank)."""
+        return self._stepped or self._loaded
+
     def load(self, full_state: dict[int, dict[str, Any]]) -> None:
         for shard in self.shards.values():
             shard.load(full_state)
+        self._loaded = bool(full_state)
         self._drop_undo()
-
-    def state_bytes(self) -> int:
-        return sum(shard.state_bytes() for shard in self.shards.values())
 
 
 class ServerPath:
@@ -493,6 +501,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         self.group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         self.shapes = {i: p.shape for i, p in enumerate(optimizable)}  #: per state_dict key
         self._consolidated: dict | None = None
+        self._consolidated_to: int | None = None  #: the rank the last consolidation gathered on
         synced = {id(p) for p in model.engine.params} if model.engine is not None else set()
         #: listed parameters that were frozen when the model was wrapped: no bucket syncs them
         self._unsynced = [(n, p) for n, p in model.module.named_parameters()
@@ -543,11 +552,15 @@ class ServerOptimizer(torch.optim.Optimizer):
             return None
         return self.server.wait_norm(self.model.engine.timeout)
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> Any:
         """The update already ran at the shards during ``backward()``: wait until every parameter holds
-        its new value (unless ``lazy_pull``)."""
+        its new value (unless ``lazy_pull``). With a ``closure`` (forward and backward, as Lightning
+        passes it), call it first, as torch's optimizers do: its backward runs the update; returns its
+        loss."""
+        loss = None
         if closure is not None:
-            raise ValueError("ServerOptimizer.step() takes no closure: the update runs during backward()")
+            with torch.enable_grad():
+                loss = closure()
         scaled = self.__dict__.pop("found_inf", None) is not None
         self.__dict__.pop("grad_scale", None)
         if scaled:
@@ -562,6 +575,7 @@ class ServerOptimizer(torch.optim.Optimizer):
                                "now: nothing syncs or steps them; unfreeze before wrapping with PoseidonDDP (or wrap again)")
         if not self.lazy_pull:
             self.model.synchronize()
+        return loss
 
     def local_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
@@ -569,26 +583,34 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     def forget_consolidated(self) -> None:
         """A step's updates begin: a state gathered before them is stale (``state_dict()`` refuses)."""
-        self._consolidated = None
+        self._consolidated = self._consolidated_to = None
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` (collective: every rank calls it)."""
         self.model.engine.finish_aborted_pass()  # a skipped step's state taken back first
         self.model.synchronize()
         exports = self.model.engine.gather_objects(self.server.export(), to)
-        self._consolidated = None
+        self._consolidated, self._consolidated_to = None, to
         if exports is not None:
             self._consolidated = merge_exports(exports, self.shapes)
 
     def state_dict(self) -> dict:
-        """torch's optimizer format, after :meth:`consolidate_state_dict` on every rank (this rank ``to``)."""
-        if self._consolidated is None:
+        """torch's optimizer format: after :meth:`consolidate_state_dict` on every rank, on rank ``to``.
+        While no step has made any state (as when accelerate copies the state at set-up, on every rank)
+        it is the empty state, anywhere, with no collective."""
+        if self._consolidated is not None:
+            state = {k: dict(v) for k, v in self._consolidated.items()}
+        elif not self.server.has_state():
+            state = {}
+        elif self._consolidated_to is not None:
+            rank = self.model.engine.rank
+            raise RuntimeError(f"the optimizer state was consolidated on rank {self._consolidated_to}, not on this rank "
+                               f"({rank}): call state_dict() there, or consolidate_state_dict(to={rank}) on every rank")
+        else:
             raise RuntimeError("call consolidate_state_dict(to=...) on every rank first (as with "
                                "ZeroRedundancyOptimizer), then state_dict() on rank `to`")
-        groups = []
-        for group in self.param_groups:
-            groups.append({**_hyper(group), "params": [self.key_of[id(p)] for p in group["params"]]})
-        return {"state": {k: dict(v) for k, v in self._consolidated.items()}, "param_groups": groups}
+        groups = [{**_hyper(g), "params": [self.key_of[id(p)] for p in g["params"]]} for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch's format (every rank the whole dict; each keeps its pieces' parts)."""
@@ -607,7 +629,7 @@ class ServerOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"state {name!r} of parameter {key} has shape {tuple(value.shape)}, "
                                      f"the parameter {tuple(shape)}")
         self.server.load(state)
-        self._consolidated = None
+        self.forget_consolidated()
 
     def __repr__(self) -> str:
         return f"ServerOptimizer({self.optimizer_class.__name__}, {len(self.param_groups)} group(s))"

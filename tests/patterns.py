@@ -669,3 +669,50 @@ def bad_options(rank: int, world_size: int) -> dict:
         except Exception as exc:  # noqa: BLE001 - what is raised is the result
             errors.append({"type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start})
     return {"errors": errors}
+
+
+# ---- torch DDP's constructor arguments -------------------------------------------------------------------
+
+def ddp_arguments(rank: int, world_size: int) -> dict:
+    """What torch DDP's arguments do here: each accepted one trains exactly (the hand average), the
+    refused ones fail at once with the argument's name, the honoured ones act."""
+    from poseidon_torch.compat import NOT_NEEDED
+
+    out: dict = {"refused": {}, "accepted": {}, "notes": []}
+    refused = {"device_ids": {"device_ids": [0]}, "output_device": {"output_device": 0},
+               "mixed_precision": {"mixed_precision": object()},
+               "delay_all_reduce_named_params": {"delay_all_reduce_named_params": []},
+               "bucket_cap_mb": {"bucket_cap_mb": 1.0, "fusion_bytes": 1024}}
+    for name, kwargs in refused.items():
+        try:
+            PoseidonDDP(MLP(), **kwargs).close()
+            out["refused"][name] = None
+        except (ValueError, TypeError) as exc:
+            out["refused"][name] = str(exc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # positional, in DDP's order: device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
+        # bucket_cap_mb, find_unused_parameters, check_reduction, gradient_as_bucket_view, static_graph
+        model = PoseidonDDP(MLP(), None, None, 0, True, True, None, 0.001, True, False, True, True, timeout=30,
+                            hybrid=False)
+    out["notes"] = [str(w.message) for w in caught if "PoseidonDDP:" in str(w.message)]
+    out["expected_notes"] = sorted(n for n in NOT_NEEDED if n in ("find_unused_parameters", "gradient_as_bucket_view",
+                                                                   "static_graph"))
+    out["fusion_bytes"] = model.options.fusion_bytes
+    results = run_steps(model, 3, simple_step(rank), rank)
+    out["buckets"] = len(model.bucket_names)  # a 1 KiB cap keeps the three layers apart
+    model.require_backward_grad_sync = False  # what accelerate and older loops set instead of no_sync()
+    x, y = data(9, rank)
+    plain = plain_copy(model.module)
+    F.mse_loss(plain(x), y).backward()
+    model.module.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    out["local_after_flag"] = compare(grads_of(model.module), grads_of(plain))
+    model.close()
+    with torch.no_grad():  # init_sync=False: rank 0's state is not copied (the ranks start apart)
+        module = MLP()
+        module.fc1.weight.add_(rank)
+    unsynced = PoseidonDDP(module, init_sync=False, hybrid=False, timeout=30)
+    out["init_sync_false_weight_sum"] = module.fc1.weight.sum().item()
+    unsynced.close()
+    return {**out, "steps": results}

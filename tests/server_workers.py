@@ -259,7 +259,6 @@ def refusals(rank: int, world_size: int) -> dict:
     capture("per_rank_lr", lambda: ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1 * (1 + rank)))
     opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1)
     capture("add_group", lambda: opt.add_param_group({"params": [outside]}))
-    capture("closure", lambda: opt.step(lambda: 0.0))
     capture("join", lambda: wrapped.join())
     x, y = batch(spec, 0, 2, world_size)
     for step in range(2):
@@ -649,3 +648,42 @@ def unfrozen_on_one_rank(rank: int, world_size: int) -> str:
     finally:
         wrapped.close()
     return "no error"
+
+
+def closure_and_state_dict(rank: int, world_size: int) -> dict:
+    """What Lightning and accelerate call: ``step(closure)`` (forward and backward inside) gives DDP's
+    parameters and returns the closure's loss; ``state_dict()`` before any step works on every rank, with
+    no collective (accelerate copies the state at set-up), and loads back; after a consolidation on
+    rank 0 the other ranks are told where it is."""
+    spec = ModelSpec(widths=(8, 6))
+    out: dict = {}
+    for wrapper in ("server", "ddp"):
+        model = build(spec, seed=3)
+        wrapped = PoseidonDDP(model, timeout=60) if wrapper == "server" else DDP(model)
+        opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=False)
+        if wrapper == "server":
+            start = time.monotonic()
+            if rank == 0:  # on one rank only: it must not wait for the others
+                out["empty"] = opt.state_dict()
+                opt.load_state_dict(out["empty"])
+            out["empty_seconds"] = time.monotonic() - start
+        losses = []
+        for step in range(3):
+            x, y = batch(spec, step, 2, world_size)
+
+            def closure():
+                opt.zero_grad()
+                loss = F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2))
+                loss.backward()
+                return loss
+
+            losses.append(float(opt.step(closure)))
+        out[wrapper] = {"state": final_state(wrapped, model) if wrapper == "ddp" else None, "losses": losses}
+        if wrapper == "server":
+            opt.consolidate_state_dict(to=0)
+            try:
+                out["consolidated"] = sorted(opt.state_dict()["state"])
+            except RuntimeError as exc:
+                out["consolidated"] = str(exc)
+            out["server"]["state"] = final_state(wrapped, model)
+    return out

@@ -220,3 +220,25 @@ def test_close_releases_hooks(cluster, through_wrapper):
     for r in results:
         assert r["diff_from_local"] == 0.0 and not r["engine"]
     assert len({r["weight_sum"] for r in results}) == cluster.world_size  # nobody took rank 0's weights
+
+
+def test_torch_ddp_arguments_are_taken(cluster):
+    """Code that builds torch DDP (positionally or by keyword) builds PoseidonDDP by changing the class."""
+    results = cluster.run(patterns.ddp_arguments, timeout=90)
+    for name in results[0]["expected_notes"]:  # the flags PoseidonDDP needs not: a note each, rank 0 only
+        assert any(name in note for note in results[0]["notes"]), (name, results[0]["notes"])
+    assert all(r["notes"] == [] for r in results[1:])
+    for r in results:
+        assert "device_ids" in r["refused"]["device_ids"] and "cpu" in r["refused"]["device_ids"]
+        assert "output_device" in r["refused"]["output_device"]
+        assert "mixed_precision" in r["refused"]["mixed_precision"]
+        assert "delay_all_reduce_named_params" in r["refused"]["delay_all_reduce_named_params"]
+        assert "bucket_cap_mb" in r["refused"]["bucket_cap_mb"]  # given with fusion_bytes: which one?
+        assert r["fusion_bytes"] == int(0.001 * 1024 * 1024) and r["buckets"] >= 2  # 4 MiB would fuse all 3
+        assert_exact([r])
+        assert r["local_after_flag"] <= TOL, "require_backward_grad_sync=False must keep gradients local"
+        assert r["init_sync_false_weight_sum"] != 0.0
+    notes = cluster.run(patterns.ddp_arguments, timeout=90)[0]["notes"]  # said once per process, on rank 0
+    assert notes == [], notes
+    sums = {r["init_sync_false_weight_sum"] for r in cluster.run(patterns.ddp_arguments, timeout=90)}
+    assert len(sums) == cluster.world_size  # init_sync=False: nobody took rank 0's weights

@@ -185,7 +185,6 @@ def test_refusals_are_clear(cluster):
     for result in results:
         assert "LBFGS" in result["lbfgs"]
         assert "missing" in result["subset"]
-        assert "closure" in result["closure"]
         assert "join" in result["join"]
         assert "not among them" in result["outside"]
         assert "differs between rank 0 and rank 1" in result["per_rank_lr"]
@@ -322,3 +321,18 @@ def test_a_checkpoint_right_after_a_caught_exception_has_no_trace_of_it(cluster,
 def test_a_layer_unfrozen_but_used_on_one_rank_is_refused_on_every_rank(cluster):
     for message in cluster.run(server_workers.unfrozen_on_one_rank):
         assert "['side.weight', 'side.bias'] were frozen when the model was wrapped" in message
+
+
+def test_closure_step_and_state_dict_where_frameworks_call_them(cluster):
+    results = cluster.run(server_workers.closure_and_state_dict)
+    for rank, result in enumerate(results):
+        # step(closure) returns the closure's loss
+        torch.testing.assert_close(result["server"]["losses"], result["ddp"]["losses"], rtol=RTOL, atol=ATOL)
+        for name, value in result["ddp"]["state"].items():
+            torch.testing.assert_close(result["server"]["state"][name], value, rtol=RTOL, atol=ATOL)
+        if rank == 0:
+            assert result["empty"]["state"] == {} and len(result["empty"]["param_groups"]) == 1
+            assert result["empty_seconds"] < 5  # no collective: the other ranks never called it
+            assert result["consolidated"] == [0, 1, 2, 3, 4, 5]
+        else:
+            assert "consolidated on rank 0" in result["consolidated"], result["consolidated"]
