@@ -198,10 +198,12 @@ def probe_gemm_flops(device: str | torch.device = "cpu", collectives: Collective
 
 
 def _measure_gemm_flops(device: torch.device) -> float:
+    """Operands filled without torch's random generator: wrapping a model must not change the user's
+    random stream (dropout masks would differ from a torch DDP run with the same seed)."""
     rates = []
     for size in (256, 384, 512):
-        a = torch.randn(size, size, device=device)
-        b = torch.randn(size, size, device=device)
+        a = torch.linspace(-1.0, 1.0, size * size, device=device).view(size, size)
+        b = a.t().contiguous()
         a @ b  # warm-up
         rates += [2.0 * size**3 / timed(lambda: a @ b, device) for _ in range(3)]
     return statistics.median(rates)

@@ -514,6 +514,20 @@ class ServerOptimizer(torch.optim.Optimizer):
         self._initialized = True
         model.attach_server(self)
 
+    @classmethod
+    def from_optimizer(cls, model: Any, optimizer: torch.optim.Optimizer, **server_options: Any) -> ServerOptimizer:
+        """The same class, param groups and hyperparameters as ``optimizer`` (a torch optimizer built over
+        ``model.module``'s parameters that has not stepped yet), run by the shards: for frameworks that
+        build the optimizer themselves (the HF ``Trainer``). ``server_options``: ``lazy_pull``,
+        ``max_grad_norm``."""
+        if optimizer.state:
+            raise ValueError("ServerOptimizer.from_optimizer takes an optimizer that has not stepped yet (its state "
+                             "would be lost); load a checkpoint into the ServerOptimizer instead")
+        accepted = inspect.signature(type(optimizer)).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        groups = [{**group, "params": list(group["params"])} for group in optimizer.param_groups]
+        return cls(model, type(optimizer), groups, **server_options, **defaults)
+
     def _inner_probe(self) -> None:
         """Build the class once on the user's groups, so bad hyperparameters fail here, on every rank."""
         probe = [{**_hyper(g), "params": [torch.zeros(1, dtype=g["params"][0].dtype)]} for g in self.param_groups
