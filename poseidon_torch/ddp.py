@@ -249,6 +249,7 @@ class PoseidonDDP(nn.Module, Joinable):
         if engine is None:
             return
         engine.close()
+        self.recorder.finish()
         self.recorder.flush()
         self._groups = None  # the private backends close when the last reference goes
         if _WRAPPED.get(self.module) is not None and _WRAPPED[self.module]() is self:

@@ -51,3 +51,22 @@ def test_real_trace_covers_every_layer_and_rank_and_summary_agrees(cluster, tmp_
 def test_user_profiler_sees_every_sync_job(cluster):
     for r in cluster.run(workers.profiled_step):
         assert r["events"] == r["expected"]
+
+
+def test_a_run_shorter_than_the_trace_window_writes_what_it_recorded(cluster, tmp_path):
+    """Issue 19: a run that ends inside the window wrote nothing and said nothing."""
+    from poseidon_torch.trace import load_spans, main
+
+    results = cluster.run(workers.trace_cut_short, str(tmp_path), 3, 1)
+    files = sorted(tmp_path.glob("trace_rank*.json"))
+    assert len(files) == cluster.world_size
+    (note,) = results[0]["warnings"]
+    assert "2 of the 10 traced iteration(s)" in note and "merge" in note
+    assert all(r["warnings"] == [] for r in results[1:])  # said once, by rank 0
+    merged = tmp_path / "merged.json"
+    assert main(["merge", "-o", str(merged), *map(str, files)]) == 0
+    spans = load_spans(merged)
+    assert sorted(spans) == list(range(cluster.world_size))
+    assert {s.iteration for s in spans[0] if s.kind == "iteration"} == {1, 2}
+    nothing = cluster.run(workers.trace_cut_short, str(tmp_path / "none"), 2, 5)
+    assert "nothing was recorded" in nothing[0]["warnings"][0] and not (tmp_path / "none").exists()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -271,6 +272,21 @@ def traced_training(rank: int, world_size: int, trace_dir: str, iters: int) -> d
     names = wrapped.bucket_names
     wrapped.close()
     return {"syncers": names, "bytes_by_syncer": sent[1:]}
+
+
+def trace_cut_short(rank: int, world_size: int, trace_dir: str, steps: int, skip: int) -> dict:
+    """A run of ``steps`` iterations with a trace window (skip ``skip``, 10 iterations) that never closes:
+    ``close()`` must write what was recorded, or say that nothing was; returns the tracer's warnings."""
+    spec = ModelSpec(widths=(16, 8))
+    model = build(spec, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = PoseidonDDP(model, timeout=60, trace_dir=trace_dir, trace_skip=skip, trace_iters=10, hybrid=False)
+        for step in range(steps):
+            x, y = batch(spec, step, 2, world_size)
+            F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+        wrapped.close()
+    return {"warnings": [str(w.message) for w in caught if "tracer" in str(w.message)]}
 
 
 def slow_link():

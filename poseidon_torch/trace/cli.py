@@ -4,6 +4,7 @@ Usage::
 
     poseidon-trace summary TRACE [--json]
     poseidon-trace plot TRACE -o timeline.png [--iteration N]
+    poseidon-trace merge -o trace_merged.json trace_rank0.json trace_rank1.json ...
 
 ``summary`` needs no matplotlib; ``plot`` imports it. Errors (missing file, malformed trace, unrecorded
 iteration) print ``poseidon-trace: error: ...`` on stderr and exit with status 2.
@@ -14,8 +15,7 @@ import argparse
 import json
 import sys
 
-from .files import TraceFormatError, load_spans
-from .spans import Span
+from .files import TraceFormatError, load_spans, merge_traces
 from .summary import format_summary, summarize
 
 PROG = "poseidon-trace"
@@ -25,13 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``poseidon-trace`` / ``python -m poseidon_torch.trace``; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
-        args.command(args, load_spans(args.trace))
+        args.command(args)
     except TraceFormatError as exc:
         return _fail(str(exc))
     except OSError as exc:
         return _fail(f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
     except ValueError as exc:
-        return _fail(f"{args.trace}: {exc}")
+        return _fail(f"{getattr(args, 'trace', ' '.join(getattr(args, 'traces', [])))}: {exc}")
     return 0
 
 
@@ -47,18 +47,27 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", required=True, help="PNG file to write")
     plot.add_argument("--iteration", type=int, help="iteration to show (default: last recorded per rank)")
     plot.set_defaults(command=_run_plot)
+    merge = commands.add_parser("merge", help="merge per-rank traces (a run that ended before its window closed)")
+    merge.add_argument("traces", metavar="TRACE", nargs="+", help="per-rank trace JSON files")
+    merge.add_argument("-o", "--output", required=True, help="merged trace JSON to write")
+    merge.set_defaults(command=_run_merge)
     return parser
 
 
-def _run_summary(args: argparse.Namespace, spans_by_rank: dict[int, list[Span]]) -> None:
-    summary = summarize(spans_by_rank)
+def _run_summary(args: argparse.Namespace) -> None:
+    summary = summarize(load_spans(args.trace))
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary, args.trace))
 
 
-def _run_plot(args: argparse.Namespace, spans_by_rank: dict[int, list[Span]]) -> None:
+def _run_plot(args: argparse.Namespace) -> None:
     from .plot import plot_timeline
 
-    plot_timeline(spans_by_rank, args.output, args.iteration)
+    plot_timeline(load_spans(args.trace), args.output, args.iteration)
+
+
+def _run_merge(args: argparse.Namespace) -> None:
+    merge_traces(args.traces, args.output)
+    print(f"{PROG}: wrote {args.output} ({len(args.traces)} rank(s))")
 
 
 def _fail(message: str) -> int:

@@ -12,12 +12,16 @@ Invariants:
   rank 0, measured once at start-up, when written;
 - writing happens once, when the window closes: the spans are gathered to every rank (collective over
   the control group, in the training thread), then the files are written by a background thread so the
-  training step does not wait on the disk; ``flush()`` waits for it.
+  training step does not wait on the disk; ``flush()`` waits for it;
+- a run that ends before the window closes (``close()``, or the process exits) still writes what it
+  recorded, one file per rank and no collective (rank 0 says so, and how to merge them); a run that
+  ended before the window began says that nothing was recorded.
 """
 from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,17 +121,38 @@ class Recorder:
         self._writer = threading.Thread(target=self._write_files, args=(gathered,), name="poseidon-trace-writer")
         self._writer.start()
 
-    def _write_files(self, gathered: list[list[Span]]) -> None:
+    def _write_files(self, gathered: list[list[Span]], recorded: int | None = None) -> None:
+        """This rank's trace, and on rank 0 the merged one of ``gathered`` (every rank's spans, if any)."""
         out = Path(self.config.directory)
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"skip": self.config.skip, "iters": self.config.iters}
+        meta = {"skip": self.config.skip, "iters": self.config.iters,
+                "recorded": self.config.iters if recorded is None else recorded}
         own = out / f"trace_rank{self.rank}.json"
         files.write_rank_trace(own, self.spans, self.rank, self.world_size, meta)
         self.written.append(own)
-        if self.rank == 0:
+        if self.rank == 0 and gathered:
             merged = out / "trace_merged.json"
             files.write_merged_trace(merged, gathered, self.world_size, meta)
             self.written.append(merged)
+
+    def finish(self) -> None:
+        """The run ends (the wrapper closes): write what an unfinished window recorded, locally."""
+        if self.config is None or self._closed:
+            return
+        self._closed, self.active = True, False
+        recorded = max(0, min(self._iteration - self.config.skip + 1, self.config.iters))
+        if not self.spans:
+            self._say(f"the run ended after {self._iteration + 1} synced iteration(s), before the trace window "
+                      f"began (trace_skip={self.config.skip}): nothing was recorded; lower trace_skip")
+            return
+        self._write_files([], recorded)
+        self._say(f"the run ended after {recorded} of the {self.config.iters} traced iteration(s): wrote each rank's "
+                  f"trace to {self.config.directory}/trace_rank*.json (no merged trace); merge them with "
+                  f"`python -m poseidon_torch.trace merge -o trace_merged.json {self.config.directory}/trace_rank*.json`")
+
+    def _say(self, message: str) -> None:
+        if self.rank == 0:
+            warnings.warn(f"PoseidonDDP tracer: {message}", stacklevel=4)
 
     def flush(self, timeout: float = 120.0) -> None:
         """Wait until the trace files are on disk (no-op if none are being written)."""
