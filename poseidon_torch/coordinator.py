@@ -63,7 +63,7 @@ def predict_sfb(k: int, m: int, n: int, element_size: int, world_size: int, link
 class Coordinator:
     """Owns the plan: which FC layers are committed to SFB, and each bucket's path this pass."""
 
-    def __init__(self, fc: Mapping[str, FCLayer], world_size: int, link: LinkModel, gemm_flops: float,
+    def __init__(self, fc: Mapping[str, FCLayer], world_size: int, link: LinkModel, gemm_flops: float | None,
                  overrides: Mapping[str, str] | None = None) -> None:
         self.fc = dict(sorted(fc.items()))
         self.world_size, self.link, self.gemm_flops = world_size, link, gemm_flops
@@ -215,20 +215,39 @@ class Plan:
     rows: list[PlanRow]
     world_size: int
     link: LinkModel
-    gemm_flops: float
+    gemm_flops: float | None  #: None: not probed (no layer can take SFB)
+
+    #: a fused bucket's name (its layers joined by "+") wraps onto lines of at most this many characters
+    NAME_WIDTH = 48
 
     def paths(self) -> dict[str, str]:
         return {row.name: row.path for row in self.rows}
 
     def __str__(self) -> str:
         header = ("bucket", "type", "shape", "K", "path", "PS bytes", "PS time", "SFB bytes", "SFB time")
-        rows = [header] + [_cells(row) for row in self.rows]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+        rows = [(header,)] + [_wrapped(_cells(row), self.NAME_WIDTH) for row in self.rows]
+        widths = [max(len(line[i]) for row in rows for line in row) for i in range(len(header))]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
+                 for row in rows for line in row]
         lines.insert(1, "  ".join("-" * width for width in widths))
-        lines.append(f"P={self.world_size}; link: {self.link}; GEMM {self.gemm_flops / 1e9:.3g} GFLOP/s; "
-                     "* = forced by override")
+        gemm = "not probed" if self.gemm_flops is None else f"{self.gemm_flops / 1e9:.3g} GFLOP/s"
+        lines.append(f"P={self.world_size}; link: {self.link}; GEMM {gemm}; * = forced by override")
         return "\n".join(lines)
+
+
+def _wrapped(cells: tuple[str, ...], width: int) -> list[tuple[str, ...]]:
+    """A row as lines: the bucket name (first cell) cut after a "+" so no line is wider than ``width``
+    (a single layer name longer than that stays whole); the other cells on the first line."""
+    pieces, line = [], ""
+    for layer in cells[0].split("+"):
+        joined = f"{line}+{layer}" if line else layer
+        if line and len(joined) + 1 > width:
+            pieces.append(line + "+")
+            joined = layer
+        line = joined
+    pieces.append(line)
+    blank = ("",) * (len(cells) - 1)
+    return [(pieces[0], *cells[1:])] + [(piece, *blank) for piece in pieces[1:]]
 
 
 def _cells(row: PlanRow) -> tuple[str, ...]:

@@ -230,11 +230,12 @@ class PoseidonDDP(nn.Module, Joinable):
                           "closing that one (call close() on a wrapper you replace)", stacklevel=3)
             previous.close()
 
-    def _cost_inputs(self, device: torch.device) -> tuple[LinkModel, float]:
+    def _cost_inputs(self, device: torch.device) -> tuple[LinkModel, float | None]:
         """The link and GEMM rate for the cost model: probed (collectively) only when some layer could
-        take the SFB path at all; otherwise the buckets' own first sync jobs are the measurement."""
+        take the SFB path at all (the GEMM rate is None otherwise); otherwise the buckets' own first sync
+        jobs are the measurement."""
         if not self.options.hybrid or self.world_size == 1 or not any(fc_spec(m) for m in self.module.modules()):
-            return self.options.link or default_link("not probed: no layer can take SFB"), 1.0
+            return self.options.link or default_link("not probed: no layer can take SFB"), None
         wire = "cpu" if self._staged else device
         key = (tuple(self._group_ranks), self._backend)
         link = self.options.link or probe_link(self._groups.data, key, device=wire)

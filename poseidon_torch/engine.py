@@ -134,7 +134,7 @@ class Engine:
 
     def __init__(self, module: nn.Module, *, groups: Groups, chunk_bytes: int, fusion_bytes: int,
                  timeout: float, staged: bool, recorder: Recorder, hybrid: bool, link: LinkModel,
-                 gemm_flops: float, overrides: dict[str, str] | None, native: bool) -> None:
+                 gemm_flops: float | None, overrides: dict[str, str] | None, native: bool) -> None:
         self.rank, self.world_size = groups.control.rank, groups.control.size
         self.timeout, self.staged, self.recorder = timeout, staged, recorder
         self.fusion_bytes, self.link = fusion_bytes, link

@@ -260,3 +260,17 @@ def test_a_layer_alone_in_a_learned_bucket_is_charged_the_latency_on_ps():
     c.buckets_changed({"head"}, learned=True)
     c.observe(facts(c, [{"head": (32, 0)}] * 2), 0)
     assert c.sfb == {"head"}
+
+
+def test_plan_printout_wraps_fused_names_and_says_when_the_gemm_was_not_probed():
+    from poseidon_torch.coordinator import Plan, PlanRow
+
+    fused = "+".join(f"blocks.{i}.conv{j}" for i in range(12) for j in (1, 2))
+    rows = [PlanRow(fused, "fused x24", (64, 64, 3, 3), None, "PS", False, 1e6, 1e-3, None, None),
+            PlanRow("head", "Linear", (10, 512), 32, "SFB", True, 2e4, 1e-4, 1e3, 2e-5)]
+    text = str(Plan(rows, 2, LinkModel.from_gbps(1.0, latency_us=50), None))
+    lines = text.splitlines()
+    assert max(len(line) for line in lines[:-1]) < Plan.NAME_WIDTH + 80
+    assert "".join(line.split("  ")[0] for line in lines[2:-2]) == fused  # every layer, in order, once
+    assert lines[-1].endswith("GEMM not probed; * = forced by override")
+    assert "1e-09" not in text
