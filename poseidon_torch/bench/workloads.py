@@ -14,6 +14,8 @@ Invariants:
 
 Sizes (full): ``fc_heavy`` ~34 M parameters of which ~99 % in three FC layers; ``resnet`` ~2.8 M, all but
 ~3 k in convolutions and BatchNorm; ``transformer`` ~2.6 M (vocab 2048, d_model 256, 2 layers, seq 64, batch 16);
+the sizes people train: ``resnet18`` ~11.2 M (full-width ResNet-18 for 32x32, batch 32) and ``gpt2`` ~17 M
+(GPT-2-small-like, 4 layers of width 512, vocab 8192, seq 128, tied embeddings, batch 8);
 ``mlp50`` / ``mlp200``: 50 / 200 blocks of Linear(64, 64) + LayerNorm (210 k / 840 k parameters, 100 / 400
 parameter tensors), batch 32: little compute per layer, so the engine's per-layer cost shows.
 One training iteration with 1 torch thread on the 2-core development machine: fc_heavy ~0.25-0.3 s,
@@ -136,6 +138,50 @@ class TinyLM(nn.Module):
         return self.head(self.norm(self.encoder(h, mask=mask, is_causal=True)))
 
 
+class CausalSelfAttention(nn.Module):
+    """GPT-2's attention: one fused qkv Linear, causal scaled-dot-product attention, an output Linear."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, width))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, heads)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTLike(nn.Module):
+    """GPT-2-style decoder: token and position embeddings, pre-norm blocks, final LayerNorm, and the
+    output projection tied to the token embedding (as GPT-2 does)."""
+
+    def __init__(self, vocab: int, d_model: int, heads: int, layers: int, seq_len: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d_model)
+        self.positions = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.Sequential(*(GPTBlock(d_model, heads) for _ in range(layers)))
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+        return F.linear(self.norm(self.blocks(h)), self.tokens.weight)
+
+
 def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(MODEL_SEED)
@@ -156,19 +202,39 @@ def resnet(tiny: bool = False) -> Workload:
     return Workload(model, _image_batches(32, 10), F.cross_entropy, 32)
 
 
-def transformer(tiny: bool = False) -> Workload:
-    """Small causal transformer LM: vocab 2048, d_model 256, 4 heads, 2 layers, seq 64; batch 16."""
-    vocab, d_model, layers, seq, batch = (256, 32, 1, 16, 16) if tiny else (2048, 256, 2, 64, 16)
-    model = _seeded(lambda: TinyLM(vocab, d_model, heads=4, layers=layers, seq_len=seq))
+def resnet18(tiny: bool = False) -> Workload:
+    """Full-width ResNet-18 for 32x32 inputs (widths 64..512, two BasicBlocks per stage, ~11.2 M
+    parameters); batch 32."""
+    widths = (8, 16) if tiny else (64, 128, 256, 512)
+    model = _seeded(lambda: ResNetLike(widths, blocks_per_stage=1 if tiny else 2))
+    return Workload(model, _image_batches(32, 10), F.cross_entropy, 32)
 
+
+def _token_batches(vocab: int, seq: int, batch: int) -> Callable[[int, int], Batch]:
     def make_batch(rank: int, step: int) -> Batch:
         ids = torch.randint(0, vocab, (batch, seq + 1), generator=_generator(rank, step))
         return ids[:, :-1], ids[:, 1:]
 
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    return make_batch
 
-    return Workload(model, make_batch, loss_fn, batch)
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def transformer(tiny: bool = False) -> Workload:
+    """Small causal transformer LM: vocab 2048, d_model 256, 4 heads, 2 layers, seq 64; batch 16."""
+    vocab, d_model, layers, seq, batch = (256, 32, 1, 16, 16) if tiny else (2048, 256, 2, 64, 16)
+    model = _seeded(lambda: TinyLM(vocab, d_model, heads=4, layers=layers, seq_len=seq))
+    return Workload(model, _token_batches(vocab, seq, batch), _lm_loss, batch)
+
+
+def gpt2(tiny: bool = False) -> Workload:
+    """GPT-2-small-like LM: vocab 8192, d_model 512, 8 heads, 4 layers, seq 128, tied embeddings
+    (~17 M parameters); batch 8."""
+    vocab, d_model, heads, layers, seq, batch = (256, 32, 2, 1, 16, 8) if tiny else (8192, 512, 8, 4, 128, 8)
+    model = _seeded(lambda: GPTLike(vocab, d_model, heads, layers, seq))
+    return Workload(model, _token_batches(vocab, seq, batch), _lm_loss, batch)
 
 
 class DeepMLP(nn.Module):
@@ -204,6 +270,8 @@ WORKLOADS: dict[str, Callable[[bool], Workload]] = {
     "fc_heavy": fc_heavy,
     "resnet": resnet,
     "transformer": transformer,
+    "resnet18": resnet18,
+    "gpt2": gpt2,
     "mlp50": _deep_mlp(50),
     "mlp200": _deep_mlp(200),
 }
