@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .compat import DDPArguments
+from .compiled import SplitAt, splitting_compiled_graphs
 from .coordinator import Plan
 from .core import native_status
 from .engine import CommStats, Engine
@@ -176,6 +177,7 @@ class PoseidonDDP(nn.Module, Joinable):
             raise ValueError(f"rank {dist.get_rank()} is not a member of process_group (ranks {self._group_ranks})")
         self._backend = dist.get_backend(self._group)
         self._require_sync = True
+        self._split = SplitAt(self.options.fusion_bytes)
         self._engine: Engine | None = None
         self._closed = False
         ddp.note_unneeded(self._group_ranks.index(dist.get_rank()))
@@ -289,26 +291,50 @@ class PoseidonDDP(nn.Module, Joinable):
         """The buckets in sync order: learned from the first backward."""
         return [b.name for b in self._engine.buckets] if self._engine is not None else []
 
+    @torch.compiler.disable(recursive=False)  # only the module underneath compiles, see compiled.py
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        step = self._enter_forward()
+        if step is None:
+            return self.module(*args, **kwargs)
+        try:
+            output = self.module(*args, **kwargs)
+        finally:
+            self._end_module(step)
+        return self._leave_forward(step, output)
+
+    @torch.compiler.disable
+    def _enter_forward(self) -> _Forward | None:
+        """The engine's side of a forward before the module runs (None: run the module locally)."""
         synced = torch.is_grad_enabled() and self._require_sync
         if synced and self._engine is None and not self._closed:
             self._start()  # an unbound copy (deepcopy, unpickled) that is trained
         engine = self._engine
         if engine is None:
-            return self.module(*args, **kwargs)
-        start = time.monotonic_ns()
+            return None
+        step = _Forward(engine, synced, time.monotonic_ns(), splitting_compiled_graphs(self._split))
         engine.begin_forward(synced)
         try:
             self._forward_collectives(synced)
-            output = self.module(*args, **kwargs)
-        finally:
+        except BaseException:
             engine.end_forward()
+            raise
+        step.split.__enter__()
+        return step
+
+    @torch.compiler.disable
+    def _end_module(self, step: _Forward) -> None:
+        step.split.__exit__(None, None, None)
+        step.engine.end_forward()
+
+    @torch.compiler.disable
+    def _leave_forward(self, step: _Forward, output: Any) -> Any:
+        engine = step.engine
         if engine.server is not None:  # the last step's values not read by this forward, and its close
-            engine.settle(output) if synced else engine.drain(output)
-        if synced:
+            engine.settle(output) if step.synced else engine.drain(output)
+        if step.synced:
             engine.arm(output)
         if self.recorder.active:
-            self.recorder.add("forward", "forward", "compute", start, time.monotonic_ns())
+            self.recorder.add("forward", "forward", "compute", step.start_ns, time.monotonic_ns())
         return output
 
     def _forward_collectives(self, synced: bool) -> None:
@@ -392,6 +418,16 @@ class PoseidonDDP(nn.Module, Joinable):
 
 
 _SYNC, _BUFFERS = 1, 2
+
+
+@dataclass
+class _Forward:
+    """One forward of the wrapper, between its engine-side halves."""
+
+    engine: Engine
+    synced: bool
+    start_ns: int
+    split: contextlib.AbstractContextManager
 
 
 class _JoinHook(JoinHook):

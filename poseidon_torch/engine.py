@@ -532,7 +532,10 @@ class Engine:
         return gathered if self.rank == to else None
 
     def _before_layer(self, module: nn.Module, args: tuple) -> None:
-        """A layer's forward begins: its new parameter values first (forward pre-hook)."""
+        """A layer's forward begins: its new parameter values first (forward pre-hook). Inside a compiled
+        graph it cannot wait: a value still pending then is caught at the end of the forward."""
+        if torch.compiler.is_compiling():
+            return
         deferred = self._deferred
         if deferred is None or deferred.drained:
             return
@@ -592,7 +595,8 @@ class Engine:
             if id(param) in names:
                 error = SyncError(f"parameter {names[id(param)]!r} was read in a forward before its new value had "
                                   "arrived: it is read outside the forward of the module that holds it (as "
-                                  "nn.MultiheadAttention reads out_proj.weight, or F.linear(x, self.head.weight)); "
+                                  "nn.MultiheadAttention reads out_proj.weight, or F.linear(x, self.head.weight)), "
+                                  "or inside a torch.compile graph, where the per-module waits cannot run; "
                                   "lazy_pull=True waits per module, so use lazy_pull=False for this model")
                 self.failure = error
                 raise error

@@ -189,10 +189,12 @@ HOOKED = 4         # user hooks on W or b (tensor hooks, or post-accumulate hook
 CHECKPOINTED = 8   # a call ran under saved-tensor hooks (activation checkpointing, offloading)
 ACCUMULATED = 16   # its gradient accumulated locally (no_sync) before a synced backward
 GRAD_CALL = 32     # torch.autograd.grad (or backward(inputs=...)) asked for W or b through its calls
+UNSEEN = 64        # W or b got gradient in a round where none of its calls was seen (torch.compile traced them)
 STICKY_NAMES = {CREATE_GRAPH: "create_graph backward", UNCOVERED: "gradient from outside its calls",
                 HOOKED: "user hooks on its parameters", CHECKPOINTED: "activation checkpointing",
                 ACCUMULATED: "gradient accumulation under no_sync",
-                GRAD_CALL: "torch.autograd.grad with respect to its parameters"}
+                GRAD_CALL: "torch.autograd.grad with respect to its parameters",
+                UNSEEN: "calls the engine cannot see (inside a torch.compile graph)"}
 
 class EngineHook:
     """A module hook bound to the engine. Copies of the module (``copy.deepcopy``, pickling) get an
@@ -286,6 +288,8 @@ class FCLayer:
     # ---- forward hooks ------------------------------------------------------------------------
 
     def _before_call(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():  # traced into a compiled graph: no capture, no graph break
+            return
         state = None
         if torch.is_grad_enabled() and self.weight.requires_grad:
             if not self._in_forward():
@@ -302,6 +306,8 @@ class FCLayer:
         self._calls.append(state)
 
     def _after_call(self, module: nn.Module, args: tuple, output: object) -> Tensor | None:
+        if torch.compiler.is_compiling():
+            return None
         detached = self._calls.pop() if self._calls else None
         if detached:
             self.restore()
@@ -404,9 +410,12 @@ class FCLayer:
 
     def note_pass_end(self, bucket: Bucket) -> None:
         """The backward is over: an accumulation into W or b while the calls were detached was a use
-        outside the captured calls, for good."""
+        outside the captured calls, for good; so is one in a round where no call was seen at all (the
+        calls ran inside a compiled graph, which the layer's hooks cannot capture)."""
         if self._witness is not None and bucket.seen.any():
             self.sticky |= UNCOVERED
+        if self.k_round == 0 and bucket.seen.any():
+            self.sticky |= UNSEEN
 
     def add_local(self, bucket: Bucket, u: Tensor, v: Tensor) -> None:
         """Add the factors' local gradient, as autograd would have made it (the user's tensor hooks

@@ -511,3 +511,67 @@ def train_chunkings(rank: int, world_size: int, spec: ModelSpec, chunks: tuple[i
     return [train(rank, world_size, spec, "poseidon", 3, 3, options={"hybrid": False, "chunk_bytes": c,
                                                                        "fusion_bytes": 0})["state"]
             for c in chunks]
+
+
+def compiled_training(rank: int, world_size: int, how: str, options: dict, server: str | None = None,
+                      split: bool = True) -> dict:
+    """A small GPT-like LM trained 4 steps with ``torch.compile`` (backend aot_eager: dynamo and AOT
+    autograd as in production, without code generation): ``how`` is "inner" (compile, then wrap),
+    "outer" (wrap, then compile) or "eager" (the reference: torch DDP, not compiled). ``server``: a
+    ServerOptimizer ("step-waits" or "lazy-pull"). ``split=False``: dynamo's DDP optimisation off (the
+    control). Returns the parameters, the dynamo graph breaks, the buckets' outcomes, and how spread over
+    a backward the buckets' submissions were (the median of the steps after the buckets are learned)."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(optimize_ddp=split):
+        return _compiled_training(rank, how, options, server)
+
+
+def _compiled_training(rank: int, how: str, options: dict, server: str | None) -> dict:
+    import torch._dynamo
+
+    from poseidon_torch import ServerOptimizer
+    from poseidon_torch.bench.workloads import GPTLike
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = GPTLike(256, 128, 4, 4, 32)
+    if how == "eager":
+        wrapped = DDP(model)
+    elif how == "inner":
+        wrapped = PoseidonDDP(torch.compile(model, backend="aot_eager"), timeout=60, **options)
+    else:
+        wrapped = torch.compile(PoseidonDDP(model, timeout=60, **options), backend="aot_eager")
+    engine_owner = getattr(wrapped, "_orig_mod", wrapped)
+    # SGD with momentum: this model's attention key bias has an exactly zero gradient, whose rounding
+    # noise (another sum order at P = 3) Adam would turn into full steps
+    if server is not None:
+        opt = ServerOptimizer(engine_owner, torch.optim.SGD, lr=0.05, momentum=0.9, lazy_pull=server == "lazy-pull")
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    out: dict = {"error": None}
+    spreads: list[float] = []
+    try:
+        for step in range(4):
+            ids = torch.randint(0, 256, (4, 33), generator=g)
+            logits = wrapped(ids[:, :-1])
+            start = time.monotonic_ns()
+            F.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1)).backward()
+            if isinstance(engine_owner, PoseidonDDP) and step > 0:  # buckets learned: how spread their submissions
+                submits = [engine_owner.engine.core.submit_ns(b.index) for b in engine_owner.engine.buckets]
+                spreads.append((max(submits) - min(submits)) / (max(submits) - start))  # of backward's compute
+            opt.step()
+            opt.zero_grad()
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    if isinstance(engine_owner, PoseidonDDP) and out["error"] is None:
+        out["spread"] = sorted(spreads)[len(spreads) // 2]  # the median step
+        out["outcomes"] = set(engine_owner.engine.stats.outcome_by_bucket.values())
+        engine_owner.synchronize()
+    if isinstance(engine_owner, PoseidonDDP):
+        engine_owner.close()
+    out["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
