@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                         help="SGD with momentum, or AdamW (the sharded modes shard its state)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each rank may run")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the wrapped model in every mode (inductor; warm-up covers compilation)")
     parser.add_argument("--no-trace", dest="trace", action="store_false",
                         help="do not trace the PoseidonDDP modes (no overlap column; for short iterations, "
                              "where recording the window would weigh on the times)")
@@ -243,6 +245,7 @@ def worker_argv(args: argparse.Namespace, mode: str, workload: str, result: Path
             "--timeout", str(args.timeout), "--result", str(result)]
     argv += ["--tiny"] * args.tiny
     argv += ["--optimizer", args.optimizer]
+    argv += ["--compile"] * args.compile
     argv += ["--wire-iface", wire_iface] if wire_iface else []
     argv += ["--trace-dir", str(trace_dir)] if trace_dir else []
     return argv

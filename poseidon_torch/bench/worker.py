@@ -79,6 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wire-iface", help="count wire bytes from this interface's tx_bytes")
     parser.add_argument("--trace-dir", help="PoseidonDDP trace directory (poseidon modes)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the wrapped model (as users compile DDP)")
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
@@ -155,10 +156,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[
 
 
 def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, rank: int) -> dict:
-    """Warm up, then time ``args.iters`` iterations; this rank's raw measurements."""
+    """Warm up, then time ``args.iters`` iterations; this rank's raw measurements. With ``--compile`` the
+    steps run through ``torch.compile(model)`` (compiled during warm-up); ``model`` keeps the stats."""
     optimizer = make_optimizer(args, model)
+    runs = torch.compile(model) if args.compile else model
     for step in range(args.warmup):
-        train_step(model, optimizer, workload.make_batch(rank, step), workload.loss_fn)
+        train_step(runs, optimizer, workload.make_batch(rank, step), workload.loss_fn)
     if dist.is_initialized():
         dist.barrier()
     tx_start = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
@@ -167,7 +170,7 @@ def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, r
     for step in range(args.warmup, args.warmup + args.iters):
         batch = workload.make_batch(rank, step)
         start = time.perf_counter()
-        losses.append(train_step(model, optimizer, batch, workload.loss_fn))
+        losses.append(train_step(runs, optimizer, batch, workload.loss_fn))
         times.append(time.perf_counter() - start)
         if args.mode in POSEIDON_MODES:
             api_bytes += model.comm_stats.bytes_sent_last_iteration
@@ -204,7 +207,7 @@ def summarise(args: argparse.Namespace, records: list[dict], workload: Workload,
     median = statistics.median(iter_times)
     mean_bytes, source, per_rank_bytes = bytes_per_iter(args, records, param_bytes)
     result = {
-        "mode": args.mode, "workload": args.workload, "tiny": args.tiny, "world_size": world,
+        "mode": args.mode, "workload": args.workload, "tiny": args.tiny, "compiled": args.compile, "world_size": world,
         "batch_per_rank": workload.batch_size, "threads": args.threads, "iters": args.iters, "warmup": args.warmup,
         "iter_times_s": iter_times, "median_iter_s": median, "mean_iter_s": statistics.fmean(iter_times),
         "samples_per_s": world * workload.batch_size / median,
