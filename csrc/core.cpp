@@ -298,6 +298,23 @@ class Core {
     }
   }
 
+  // As Bucket.scatter: the averages into .grad of every parameter some rank used (training thread, GIL
+  // held, every job of the pass done), then those parameters hold nothing unsynced.
+  void scatter(int64_t index) {
+    Bucket& b = buckets_.at(index);
+    const auto* used = b.used_anywhere.data_ptr<uint8_t>();
+    auto* dirty = b.dirty.data_ptr<uint8_t>();
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      if (!used[j]) continue;
+      at::Tensor param = params_[b.params[j]];
+      at::Tensor average = b.flat.narrow(0, b.offsets[j], param.numel()).view(param.sizes());
+      at::Tensor& grad = param.mutable_grad();
+      if (!grad.defined()) grad = at::empty_like(param);
+      grad.copy_(average);
+      dirty[j] = 0;
+    }
+  }
+
   bool late(int64_t b) { std::lock_guard<std::mutex> lock(mu_); return buckets_.at(b).late; }
   bool done(int64_t b) { std::lock_guard<std::mutex> lock(mu_); return buckets_.at(b).done; }
   bool aborted(int64_t b) { std::lock_guard<std::mutex> lock(mu_); return buckets_.at(b).aborted; }
@@ -594,6 +611,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("finish", &Core::finish, released)
       .def("wait", &Core::wait, released)
       .def("wait_bucket", &Core::wait_bucket, released)
+      .def("scatter", &Core::scatter)
       .def("late", &Core::late)
       .def("aborted", &Core::aborted)
       .def("submit_ns", &Core::submit_ns)

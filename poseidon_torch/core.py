@@ -184,6 +184,10 @@ class PythonCore:
             return FAILED, str(exc)
         return OK, ""
 
+    def scatter(self, bucket: Bucket) -> None:
+        """The averages of ``bucket`` into ``.grad`` (training thread, after its job): :meth:`Bucket.scatter`."""
+        bucket.scatter()
+
     def late(self, bucket: int) -> bool:
         return self._ready[bucket].late
 
@@ -305,6 +309,10 @@ class NativeCore:
 
     def wait_bucket(self, bucket: int, timeout: float) -> tuple[int, str]:
         return self._core.wait_bucket(bucket, timeout)
+
+    def scatter(self, bucket: Bucket) -> None:
+        """As :meth:`Bucket.scatter`, in C++ (one call per bucket instead of Python per parameter)."""
+        self._core.scatter(bucket.index)
 
     def late(self, bucket: int) -> bool:
         return self._core.late(bucket)

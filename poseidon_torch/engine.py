@@ -443,7 +443,7 @@ class Engine:
         for bucket in late:  # a gradient arrived after its bucket's sync: average what .grad holds now
             bucket.unstage()
             if drive(self._ps.sync(bucket, self._channels[0], SyncContext(PS, p.task, p.aborted, p.shadow))):
-                bucket.scatter()
+                self.core.scatter(bucket)
         self._update_stats(p, late)
         if self.recorder.active:
             self._record_pass(p)
@@ -472,7 +472,7 @@ class Engine:
                 if locals_.get(name) is not None:
                     bucket.fc.add_to_grad(locals_[name])
             elif bucket.outcome in (PS, "SFB->PS"):
-                bucket.scatter()
+                self.core.scatter(bucket)
             elif averages.get(name) is not None:
                 bucket.fc.add_to_grad(averages[name])
 
