@@ -460,7 +460,9 @@ class Engine:
     def _write_averages(self, p: Pass, facts: PassFacts) -> None:
         """The averages of this pass into ``.grad`` (training thread, after every job): sync jobs never
         write ``.grad``, so nothing of a backward that raised can land after the user's ``zero_grad()``;
-        an aborted pass keeps its local gradients as unsynced."""
+        an aborted pass keeps its local gradients as unsynced. A bucket that got a gradient late keeps
+        ``.grad`` as it is (its early part averaged without the late one): :meth:`_close` syncs all of it
+        again (an SFB average is *added*, so the late part survives it)."""
         averages = {layer.name: layer.take_average() for layer in self.fc.values()}
         locals_ = {layer.name: layer.take_local() for layer in self.fc.values()}
         if self.server is not None or p.shadow:
@@ -471,8 +473,10 @@ class Engine:
                 bucket.dirty |= bucket.seen
                 if locals_.get(name) is not None:
                     bucket.fc.add_to_grad(locals_[name])
+                    bucket.dirty.fill_(1)  # the bucket is the FC layer alone
             elif bucket.outcome in (PS, "SFB->PS"):
-                self.core.scatter(bucket)
+                if not facts.late[bucket.index]:
+                    self.core.scatter(bucket)
             elif averages.get(name) is not None:
                 bucket.fc.add_to_grad(averages[name])
 

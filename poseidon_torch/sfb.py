@@ -431,9 +431,7 @@ class FCLayer:
                 result = hook(grad)
                 grad = grad if result is None else result
             views[p] += grad
-            j = bucket.position[id(p)]
-            bucket.flat[bucket.grad_numel + j] = USED
-            bucket.seen[j] = True
+            bucket.flat[bucket.grad_numel + bucket.position[id(p)]] = USED  # not ``seen``: autograd's alone
             local.append(grad)
         self.local = tuple(local)
 

@@ -274,13 +274,19 @@ class _null:
 def sfb_pattern(rank: int, world_size: int, pattern: str) -> dict:
     model = wrap(MLP(), link=slow_link(), **sfb_options("fc1", "side", "head"))
     mask = (torch.rand(16, 12, generator=torch.Generator().manual_seed(3)) > 0.5).float()
-    masked: set[int] = set()
 
     def step(m, module, i):
         x, y = data(i, rank)
-        if pattern == "weight_hook" and id(module) not in masked:  # a pruning mask, on both models
-            module.fc1.weight.register_hook(lambda g: g * mask)
-            masked.add(id(module))
+        weight = module.fc1.weight
+        if pattern == "weight_hook" and not hasattr(weight, "masked"):  # a pruning mask, on both models
+            weight.register_hook(lambda g: g * mask)
+            weight.masked = True
+        if pattern == "post_accumulate_hook" and not hasattr(weight, "masked"):  # the mask applied to .grad itself
+            def apply_mask(p: torch.Tensor) -> None:
+                p.grad.mul_(mask)
+
+            weight.register_post_accumulate_grad_hook(apply_mask)
+            weight.masked = True
         if pattern == "retain_graph":
             out = m(x)
             F.mse_loss(out, y).backward(retain_graph=True)
@@ -295,7 +301,7 @@ def sfb_pattern(rank: int, world_size: int, pattern: str) -> dict:
             loss.backward()
         elif pattern == "l2_on_weight":  # a penalty that differs by rank, so its average is not its local value
             (F.mse_loss(m(x), y) + 0.01 * (rank + 1) * module.fc1.weight.pow(2).sum()).backward()
-        elif pattern == "weight_hook":
+        elif pattern in ("weight_hook", "post_accumulate_hook"):
             F.mse_loss(m(x), y).backward()
         elif pattern == "siamese":
             x2, y2 = data(i, rank, rows=2 + i % 3, salt=7)
@@ -520,6 +526,65 @@ def activation_checkpointing(rank: int, world_size: int, reentrant: bool) -> dic
     results = run_steps(model, 4, simple_step(rank), rank)
     model.close()
     return {"steps": results}
+
+
+class SharedInCheckpoint(nn.Module):
+    """A Linear used inside a reentrantly checkpointed block and again outside it: its gradient
+    arrives in two parts in one backward, the second after its bucket was submitted (late)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.init_args = ()
+        torch.manual_seed(0)
+        self.fc1, self.shared, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.fc1(x))
+        h = checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=True)
+        return self.head(torch.tanh(self.shared(h)))
+
+
+def late_gradient(rank: int, world_size: int) -> dict:
+    model = wrap(SharedInCheckpoint(), hybrid=False, fusion_bytes=0)
+
+    def step(m, module, i):
+        x, y = data(i, rank, n_in=6)
+        F.mse_loss(m(x), y).backward()
+
+    results = run_steps(model, 3, step, rank)
+    late = model.comm_stats.jobs_last_iteration > len(model.bucket_names)  # the late bucket synced twice
+    model.close()
+    return {"steps": results, "late": late}
+
+
+def used_only_under_no_sync(rank: int, world_size: int) -> dict:
+    """``side`` is used in one no_sync micro-batch at step 0 only: from step 1 on no rank uses it, so its
+    ``.grad`` must stay None (as with DDP), not become the average of nothing."""
+    model = wrap(MLP(), hybrid=False)
+
+    def step(m, module, i):
+        x, y = data(i, rank)
+        if i == 0:
+            with m.no_sync() if isinstance(m, PoseidonDDP) else _null():
+                F.mse_loss(m(x, use_side=True), y).backward()
+        F.mse_loss(m(x), y).backward()
+
+    results = run_steps(model, 3, step, rank)
+    model.close()
+    return {"steps": results}
+
+
+def join_without_initial_world_size(rank: int, world_size: int) -> str:
+    model = wrap(MLP(), hybrid=False)
+    try:
+        model.join(divide_by_initial_world_size=False)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        model.close()
+    return "accepted"
 
 
 # ---- item 9: a Linear used on some ranks only, under no_sync ---------------------------------------------

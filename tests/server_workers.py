@@ -380,10 +380,11 @@ def slowed(path_class: type, phase_names: tuple[str, ...], seconds: float) -> ty
     return watched(path_class, before=lambda phase, bucket: time.sleep(seconds) if phase in phase_names else None)
 
 
-def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: bool) -> dict:
-    """Every layer on ``path``; at step 1 a hook on the first layer raises (a bad batch, caught on
+def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: bool, bad_step: int = 1) -> dict:
+    """Every layer on ``path``; at ``bad_step`` a hook on the first layer raises (a bad batch, caught on
     every rank) while the other layers' slowed-down jobs still run: nothing of that step may reach the
-    parameters, as with DDP skipping the batch (the jobs finish after the user's zero_grad())."""
+    parameters, as with DDP skipping the batch (the jobs finish after the user's zero_grad()). At step 0
+    no optimizer state exists yet: the skipped step must not leave any behind."""
     from poseidon_torch.coordinator import SFB
     from poseidon_torch.kvstore import PSPath
     from poseidon_torch.sfb import SFBPath
@@ -415,8 +416,8 @@ def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: boo
         for step in range(3):
             g = torch.Generator().manual_seed(1000 * step + rank)
             x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
-            bad["now"] = step == 1
-            if wrapper == "ddp" and step == 1:
+            bad["now"] = step == bad_step
+            if wrapper == "ddp" and step == bad_step:
                 continue  # the reference skips the bad batch
             loss = F.mse_loss(wrapped(x), y)
             try:
@@ -687,3 +688,125 @@ def closure_and_state_dict(rank: int, world_size: int) -> dict:
                 out["consolidated"] = str(exc)
             out["server"]["state"] = final_state(wrapped, model)
     return out
+
+
+def resume_with_scheduler(rank: int, world_size: int) -> dict:
+    """Save after 2 of 4 steps (model, ServerOptimizer, StepLR), load into fresh objects, finish: the
+    parameters must be those of the uninterrupted run, and the loaded learning rate the saved one."""
+    import torch.distributed as dist
+
+    spec = ModelSpec(widths=(16,), out_features=4)
+
+    def make() -> tuple:
+        model = build(spec, seed=0)
+        wrapped = PoseidonDDP(model, timeout=60, hybrid=False)
+        opt = ServerOptimizer(wrapped, torch.optim.AdamW, lr=0.01)
+        return model, wrapped, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def train(wrapped, opt, sched, steps: range) -> None:
+        for step in steps:
+            x, y = batch(spec, step, 2, world_size)
+            F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+
+    model, wrapped, opt, sched = make()
+    train(wrapped, opt, sched, range(4))
+    uninterrupted = final_state(wrapped, model)
+    model, wrapped, opt, sched = make()
+    train(wrapped, opt, sched, range(2))
+    opt.consolidate_state_dict(to=0)
+    saved = [{"model": wrapped.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()} if rank == 0 else None]
+    dist.broadcast_object_list(saved, src=0)
+    wrapped.close()
+    model, wrapped, opt, sched = make()
+    wrapped.load_state_dict(saved[0]["model"])
+    opt.load_state_dict(saved[0]["opt"])
+    sched.load_state_dict(saved[0]["sched"])
+    loaded_lr = opt.param_groups[0]["lr"]
+    train(wrapped, opt, sched, range(2, 4))
+    return {"uninterrupted": uninterrupted, "resumed": final_state(wrapped, model),
+            "saved_lr": saved[0]["opt"]["param_groups"][0]["lr"], "loaded_lr": loaded_lr}
+
+
+def side_used_only_under_no_sync(rank: int, world_size: int) -> dict:
+    """AdamW with weight decay: ``side`` is used once, in a no_sync micro-batch of step 0; afterwards no
+    rank uses it, so torch leaves it alone (no .grad) and the servers must not step it either."""
+    from patterns import MLP, data
+
+    states = {}
+    for wrapper in ("server", "ddp"):
+        module = MLP()
+        if wrapper == "server":
+            model = PoseidonDDP(module, hybrid=False, timeout=60)
+            opt = ServerOptimizer(model, torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+        else:
+            model = DDP(module, find_unused_parameters=True)
+            opt = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1)
+        for step in range(4):
+            x, y = data(step, rank)
+            if step == 0:
+                with model.no_sync():
+                    F.mse_loss(model(x, use_side=True), y).backward()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        states[wrapper] = final_state(model, module)
+    return states
+
+
+class ReadsChildParameter(nn.Module):
+    """The root's forward reads a child's parameter itself (``self.offset.bias``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head, self.offset = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(1, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x))) + self.offset.bias
+
+
+def lazy_root_reads_child(rank: int, world_size: int) -> str:
+    """With lazy pulls the root waits for its own parameters only: such a read must fail clearly, not
+    train on last step's value."""
+    from poseidon_torch import SyncError
+
+    model = PoseidonDDP(ReadsChildParameter(), hybrid=False, fusion_bytes=0, timeout=60)
+    opt = ServerOptimizer(model, torch.optim.SGD, lr=0.1, lazy_pull=True)
+    try:
+        for step in range(5):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.randn(4, 4, generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+    except SyncError as exc:
+        return str(exc)
+    finally:
+        model.close()
+    return "trained"
+
+
+def traced_split_jobs(rank: int, world_size: int, trace_dir: str) -> dict:
+    """A traced run with max_grad_norm (every job split in two slots: push, then update and pull): the
+    bytes the trace gives each bucket per iteration, and the engine's own count."""
+    from poseidon_torch.trace import load_spans, summarize
+
+    spec = ModelSpec(in_features=32, widths=(64,), out_features=4)
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, hybrid=False, fusion_bytes=0, timeout=60, trace_dir=trace_dir, trace_skip=2,
+                          trace_iters=3)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, max_grad_norm=0.01)
+    for step in range(6):
+        x, y = batch(spec, step, 2, world_size)
+        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    wrapped.synchronize()
+    counted = dict(wrapped.comm_stats.bytes_by_bucket)
+    split = len(wrapped.engine.plan.split) == len(wrapped.engine.buckets)
+    wrapped.close()
+    traced = {row["layer"]: row["bytes_per_iteration"]
+              for row in summarize(load_spans(f"{trace_dir}/trace_rank{rank}.json"))["layers"]}
+    return {"counted": counted, "traced": traced, "split": split}

@@ -42,6 +42,32 @@ def test_sfb_bytes_follow_from_the_factor_shapes(cluster):
             assert (other["grads"][name] == grad).all(), f"ranks disagree on {name}"
 
 
+def sfb_block(k: int, m: int, n: int) -> int:
+    return -(-(3 * 8 + k * (m + n) * 4) // 8) * 8  # a header of rows, exact, aborted; K rows of [U | V]
+
+
+def test_sfb_bytes_when_k_grows_count_both_exchanges(cluster):
+    """Rows grow by 3 in the second step: the all-gather padded to last step's K is not enough, the
+    factors go again with room for all: both exchanges were sent and both are counted."""
+    P = cluster.world_size
+    sizes = tuple(range(2, 2 + P))
+    old, new = max(sizes), max(sizes) + 3
+    for r in cluster.run(workers.sfb_bytes, sizes, 3):
+        assert r["outcomes"] == {"body.0": "SFB", "head": "SFB"}, r["outcomes"]
+        assert r["by_path"]["SFB"] == (P - 1) * sum(sfb_block(k, m, n) for k in (old, new) for m, n in ((30, 20), (5, 30)))
+
+
+def test_server_mode_sfb_bytes_include_the_pull_of_new_values(cluster):
+    """With a ServerOptimizer the owners update an SFB layer and every other rank pulls its new values:
+    over all ranks, (P - 1) times each layer's buffer on top of the factor all-gathers."""
+    P = cluster.world_size
+    sizes = tuple(range(2, 2 + P))
+    results = cluster.run(workers.sfb_bytes, sizes, 0, True)
+    gathers = (P - 1) * (sfb_block(max(sizes), 30, 20) + sfb_block(max(sizes), 5, 30))
+    assert all(r["outcomes"] == {"body.0": "SFB", "head": "SFB"} for r in results)
+    assert sum(r["by_path"]["SFB"] - gathers for r in results) == (P - 1) * results[0]["flat_bytes"]
+
+
 @pytest.mark.parametrize("force", ["PS", "SFB"])
 def test_loopback_carries_what_the_engine_counts(cluster, force):
     """The loopback device's transmitted bytes during one step, against the sum of every rank's count:

@@ -274,3 +274,16 @@ def test_plan_printout_wraps_fused_names_and_says_when_the_gemm_was_not_probed()
     assert "".join(line.split("  ")[0] for line in lines[2:-2]) == fused  # every layer, in order, once
     assert lines[-1].endswith("GEMM not probed; * = forced by override")
     assert "1e-09" not in text
+
+
+def test_in_parameter_server_mode_sfb_is_charged_the_pull_of_new_values():
+    """A 64x64 layer at K = 24, P = 2, on a link where bytes decide: the factor all-gather alone (12.3 KB)
+    beats PS (16.7 KB), but with a ServerOptimizer the new values come back by pull (+8.3 KB): PS wins."""
+    slow = LinkModel.from_gbps(0.1, latency_us=1.0)
+    chosen = {}
+    for pull_values in (False, True):
+        c = Coordinator(layers(("fc", 64, 64)), 2, slow, GEMM_FLOPS)
+        c.solo, c.pull_values = {"fc"}, pull_values
+        c.observe(facts(c, [{"fc": (24, 0)}] * 2), 0)
+        chosen[pull_values] = c.sfb
+    assert chosen == {False: {"fc"}, True: set()}

@@ -15,9 +15,11 @@ def test_mismatched_models_raise_on_every_rank(cluster):
         assert "body.0.weight" in message and "(8, 6)" in message and "(9, 6)" in message
 
 
+@pytest.mark.parametrize("env", [pytest.param({"POSEIDON_ENGINE": "python"}, id="python-core"),
+                                 pytest.param({}, id="default-core")])
 @pytest.mark.parametrize("path", ["PS", "SFB"])
-def test_exception_in_sync_job_reaches_training_thread(fresh_cluster, path):
-    results = fresh_cluster.run(workers.failing_sync_job, "body.2", path, timeout=60)
+def test_exception_in_sync_job_reaches_training_thread(fresh_cluster, path, env):
+    results = fresh_cluster.run(workers.failing_sync_job, "body.2", path, timeout=60, env=env)
     failed, peer = results
     assert failed["error_type"] == "SyncError"
     assert "body.2" in failed["error"] and "injected failure" in failed["error"]

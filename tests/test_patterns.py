@@ -89,6 +89,7 @@ SFB_PATTERNS = {  # how each FC layer syncs, step by step: SFB where exact, PS w
     "gradient_penalty": {"fc1": PS_ON, "head": PS_ON},  # seen in the first step: never committed
     "l2_on_weight": {"fc1": ["PS", "SFB->PS", "PS", "PS"], "head": SFB_ON},
     "weight_hook": {"fc1": PS_ON, "head": SFB_ON},
+    "post_accumulate_hook": {"fc1": PS_ON, "head": SFB_ON},  # the mask acts on .grad: fc1 never on SFB
     "siamese": {"fc1": SFB_ON, "head": SFB_ON},
     "call_outside_forward": {"fc1": PS_ON, "head": PS_ON},
     "inplace_3d": {"fc1": SFB_ON, "head": SFB_ON},  # relu_ on fc1's 3-D output (a view)
@@ -242,3 +243,22 @@ def test_torch_ddp_arguments_are_taken(cluster):
     assert notes == [], notes
     sums = {r["init_sync_false_weight_sum"] for r in cluster.run(patterns.ddp_arguments, timeout=90)}
     assert len(sums) == cluster.world_size  # init_sync=False: nobody took rank 0's weights
+
+
+@pytest.mark.parametrize("env", CORES)
+def test_a_gradient_that_arrives_late_is_averaged_whole(cluster, env):
+    """A layer used inside a reentrant checkpoint and outside it: its bucket is synced, then more
+    gradient arrives. The late part was dropped (the first average overwrote .grad before the re-sync)."""
+    results = cluster.run(patterns.late_gradient, timeout=60, env=env)
+    assert all(r["late"] for r in results)  # the case under test really happened
+    assert_exact(results)
+
+
+@pytest.mark.parametrize("env", CORES)
+def test_a_parameter_used_only_in_an_early_no_sync_step_gets_no_gradient_later(cluster, env):
+    assert_exact(cluster.run(patterns.used_only_under_no_sync, timeout=60, env=env))
+
+
+def test_join_without_dividing_by_the_initial_world_size_is_refused(cluster):
+    for message in cluster.run(patterns.join_without_initial_world_size, timeout=60):
+        assert "divide_by_initial_world_size=True" in message, message

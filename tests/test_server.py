@@ -336,3 +336,35 @@ def test_closure_step_and_state_dict_where_frameworks_call_them(cluster):
             assert result["consolidated"] == [0, 1, 2, 3, 4, 5]
         else:
             assert "consolidated on rank 0" in result["consolidated"], result["consolidated"]
+
+
+def test_a_first_step_that_raises_leaves_no_optimizer_state(cluster):
+    """The aborted step is the first: the owners' momentum buffers it created must go (not stay)."""
+    results = cluster.run(server_workers.caught_exception_mid_sync, "PS", True, 0)
+    for result in results:
+        for name, value in result["ddp"].items():
+            torch.testing.assert_close(result["poseidon"][name], value, rtol=RTOL, atol=ATOL)
+
+
+def test_resume_restores_the_schedulers_learning_rate(cluster):
+    for result in cluster.run(server_workers.resume_with_scheduler):
+        assert result["loaded_lr"] == result["saved_lr"] == 0.0025
+        for name, value in result["uninterrupted"].items():
+            torch.testing.assert_close(result["resumed"][name], value, rtol=RTOL, atol=ATOL)
+
+
+def test_a_layer_used_only_in_an_early_no_sync_step_is_not_stepped_later(cluster):
+    for result in cluster.run(server_workers.side_used_only_under_no_sync):
+        for name, value in result["ddp"].items():
+            torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_lazy_pull_refuses_a_root_that_reads_a_childs_parameter(cluster):
+    for message in cluster.run(server_workers.lazy_root_reads_child):
+        assert "'offset.bias' was read in a forward before its new value had arrived" in message, message
+
+
+def test_the_trace_counts_a_split_jobs_bytes_once(cluster, tmp_path):
+    for result in cluster.run(server_workers.traced_split_jobs, str(tmp_path)):
+        assert result["split"]
+        assert result["traced"] == result["counted"], result

@@ -210,19 +210,28 @@ def _bucket_params(bucket: str, names: dict) -> list[str]:
     return [n for n in names if n.rsplit(".", 1)[0] in layers]
 
 
-def sfb_bytes(rank: int, world_size: int, sizes: tuple[int, ...]) -> dict:
+def sfb_bytes(rank: int, world_size: int, sizes: tuple[int, ...], grow: int = 0, server: bool = False) -> dict:
     """Two steps with every FC layer forced to SFB (the second runs on SFB); rank r trains on
-    sizes[r] samples."""
+    sizes[r] samples, plus ``grow`` more in the second step than in the first (K grows: the factors are
+    exchanged again with room for all). ``server``: a ServerOptimizer (SGD), whose owners' new values
+    of the SFB layers are pulled too."""
+    from poseidon_torch import ServerOptimizer
+
     spec = ModelSpec(in_features=20, widths=(30,), out_features=5)
     model = build(spec, seed=0)
     wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, {"force": "SFB"}))
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.01) if server else None
     for step in range(2):
-        x, y = batch(spec, step, max(sizes), world_size)
+        rows = sizes[rank] + grow * step
+        x, y = batch(spec, step, max(sizes) + grow, world_size)
         model.zero_grad()
-        F.mse_loss(wrapped(x[:sizes[rank]]), y[:sizes[rank]]).backward()
+        F.mse_loss(wrapped(x[:rows]), y[:rows]).backward()
+        if opt is not None:
+            opt.step()
     stats = wrapped.comm_stats
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    out = {"by_path": dict(stats.bytes_by_path), "outcomes": dict(stats.outcome_by_bucket), "grads": grads}
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    out = {"by_path": dict(stats.bytes_by_path), "outcomes": dict(stats.outcome_by_bucket), "grads": grads,
+           "flat_bytes": sum(b.nbytes for b in wrapped.engine.buckets)}
     wrapped.close()
     return out
 
@@ -575,3 +584,92 @@ def _compiled_training(rank: int, how: str, options: dict, server: str | None) -
     out["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+# ---- replicas: construction checks and buffers (from the mutation sweep of issue 18) -----------------
+
+class NormNet(torch.nn.Module):
+    """A BatchNorm between two Linear layers: buffers that each rank's data move differently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+                                       torch.nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def buffers_against_ddp(rank: int, world_size: int, case: str) -> dict:
+    """The model's whole state (buffers included) after training with PoseidonDDP and with torch DDP:
+    ``join`` (uneven inputs, 1 + 2 rank batches: the buffers of the last rank to finish win) or
+    ``no_broadcast`` (``broadcast_buffers=False``: every rank keeps its own statistics)."""
+    states = {}
+    for wrapper in ("poseidon", "ddp"):
+        module = NormNet()
+        kwargs = {"broadcast_buffers": False} if case == "no_broadcast" else {}
+        model = PoseidonDDP(module, hybrid=False, timeout=30, **kwargs) if wrapper == "poseidon" else DDP(module, **kwargs)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        steps = 1 + 2 * rank if case == "join" else 3
+        with model.join() if case == "join" else contextlib.nullcontext():
+            for step in range(steps):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                x, y = torch.randn(4, 6, generator=g) + 3 * rank, torch.randn(4, 3, generator=g)
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+        states[wrapper] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        if wrapper == "poseidon":
+            model.close()
+    return states
+
+
+class MixedInit(torch.nn.Module):
+    """fp32 and bf16 parameters and a buffer, initialised differently on every rank."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(rank)
+        self.norm = torch.nn.BatchNorm1d(12)
+        self.fc1 = torch.nn.Linear(12, 16).to(torch.bfloat16)
+        self.head = torch.nn.Linear(16, 3)
+        self.norm.running_mean.fill_(float(rank))  # statistics of a per-rank warm-up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc1(self.norm(x).to(torch.bfloat16)).float())
+
+
+def state_after_construction(rank: int, world_size: int) -> dict:
+    """Right after wrapping, every parameter (of every dtype) and buffer must be rank 0's."""
+    import torch.distributed as dist
+
+    module = MixedInit(rank)
+    model = PoseidonDDP(module, hybrid=False, timeout=30)
+    differs = {}
+    for name, t in module.state_dict().items():
+        reference = t.detach().float().clone()
+        dist.broadcast(reference, 0)
+        differs[name] = float((t.detach().float() - reference).abs().max())
+    model.close()
+    return differs
+
+
+def mismatched_construction(rank: int, world_size: int, case: str) -> str:
+    """The last rank differs from the others (an option, or one more parameter): every rank must get
+    ModelMismatchError at construction, before any training collective."""
+    from poseidon_torch import ModelMismatchError
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    odd = rank == world_size - 1
+    options = {"hybrid": False, "timeout": 30}
+    if case == "option" and odd:
+        options["chunk_bytes"] = 64
+    if case == "extra_parameter" and odd:
+        module.append(torch.nn.Linear(3, 3))
+    try:
+        PoseidonDDP(module, **options).close()
+    except ModelMismatchError as exc:
+        return str(exc)
+    return "constructed"
