@@ -276,3 +276,11 @@ def test_module_entry_point_reports_errors_without_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("poseidon-trace: error:") and "bad.json" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_summary_table_shortens_long_fused_names():
+    from poseidon_torch.trace.summary import short_name
+
+    fused = "+".join(f"blocks.{i}" for i in range(40))
+    assert short_name(fused) == "blocks.0+...+blocks.39 (40 layers)"
+    assert short_name("head+fc") == "head+fc"

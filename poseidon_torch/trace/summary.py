@@ -46,7 +46,7 @@ def format_summary(summary: dict, title: str) -> str:
     """``summary`` as an aligned plain-text table followed by the totals."""
     header = ("layer", "path", "bytes/iter", "comm ms/iter", "hidden")
     rows = [
-        (row["layer"], row["path"], _format_bytes(row["bytes_per_iteration"]),
+        (short_name(row["layer"]), row["path"], _format_bytes(row["bytes_per_iteration"]),
          f"{row['comm_ms_per_iteration']:.3f}", f"{row['hidden_share']:.1%}")
         for row in summary["layers"]
     ]
@@ -101,6 +101,15 @@ def _layer_names(spans_by_rank: dict[int, list[Span]]) -> list[str]:
             if span.kind in ("sync", *COMM_KINDS):
                 first[span.name] = min(first.get(span.name, span.start_ns), span.start_ns)
     return sorted(first, key=lambda name: (first[name], name))
+
+
+def short_name(name: str, width: int = 48) -> str:
+    """A fused bucket's name (layers joined by "+") for a table: whole if it fits in ``width``, else its
+    first and last layers and how many there are (``--json`` keeps the whole name)."""
+    layers = name.split("+")
+    if len(name) <= width or len(layers) < 3:
+        return name
+    return f"{layers[0]}+...+{layers[-1]} ({len(layers)} layers)"
 
 
 def _layer_row(name: str, spans_by_rank: dict[int, list[Span]], samples: int) -> dict:
