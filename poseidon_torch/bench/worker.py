@@ -223,6 +223,21 @@ def summarise(args: argparse.Namespace, records: list[dict], workload: Workload,
     return result
 
 
+def measure(args: argparse.Namespace, wrap: Callable[[nn.Module], nn.Module], workload: Workload,
+            rank: int) -> dict:
+    """The timed loop on the wrapped model; the wrapper is freed on return, while the group is still up.
+
+    torch DDP's Reducer holds the process group: freed after ``destroy_process_group`` it is the last
+    owner, and the group's destructor joins gloo's worker thread with the GIL held while that thread waits
+    for the GIL to free a finished collective's tensors (a deadlock seen in CI after the result gather).
+    """
+    model = wrap(workload.model)
+    record = timed_loop(args, model, workload, rank)
+    if args.mode in POSEIDON_MODES:
+        model.close()
+    return record
+
+
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
@@ -233,10 +248,7 @@ def run(args: argparse.Namespace) -> None:
     try:
         workload = build(args.workload, args.tiny)
         param_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters())
-        model = wrap(workload.model)
-        record = timed_loop(args, model, workload, rank)
-        if args.mode in POSEIDON_MODES:
-            model.close()
+        record = measure(args, wrap, workload, rank)
         records = [None] * dist.get_world_size()
         dist.all_gather_object(records, record)
         if rank == 0:
