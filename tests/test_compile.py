@@ -26,14 +26,17 @@ def test_compiled_module_trains_exactly_without_graph_breaks_and_keeps_overlap(c
         assert r["error"] is None, r["error"]
         assert r["graph_breaks"] == 0
         assert r["outcomes"] == {"PS"}  # the FC layers' calls were compiled: never SFB, whatever the link says
+        assert r["compiled_backwards"] > 1, r["compiled_backwards"]  # dynamo cut the graph at buckets
         assert r["spread"] > 0.35, r["spread"]  # one fused backward would make every bucket ready at once
 
 
 def test_without_the_split_every_bucket_is_ready_at_once(cluster):
-    """The control for the spread above: with dynamo's DDP optimisation off, the compiled backward is one
-    function and the buckets are submitted together at its end."""
+    """The control for the cut above: with dynamo's DDP optimisation off, the compiled backward is one
+    function, so every bucket becomes ready at its end (its timing spread is left out: a loaded
+    2-core machine stretched it past any fixed bound)."""
     results = cluster.run(workers.compiled_training, "inner", LAYERWISE, None, False, timeout=240)
-    assert all(r["spread"] < 0.25 for r in results), [r["spread"] for r in results]
+    assert all(r["error"] is None for r in results), [r["error"] for r in results]
+    assert all(r["compiled_backwards"] == 1 for r in results), [r["compiled_backwards"] for r in results]
 
 
 @pytest.mark.parametrize("server", ["step-waits", "lazy-pull"])

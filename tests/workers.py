@@ -136,6 +136,9 @@ class FailingPath:
     def __init__(self, inner, bucket: str) -> None:
         self.inner, self.bucket, self.name = inner, bucket, inner.name
 
+    def stage(self, bucket, ctx):
+        self.inner.stage(bucket, ctx)
+
     def sync(self, bucket, groups, ctx):
         if bucket.name == self.bucket:
             raise RuntimeError("injected failure")
@@ -536,6 +539,19 @@ def compiled_training(rank: int, world_size: int, how: str, options: dict, serve
         return _compiled_training(rank, how, options, server)
 
 
+def _compiled_backward_nodes(loss: torch.Tensor) -> int:
+    """How many compiled graphs' backward functions the loss's autograd graph holds: one per piece
+    dynamo cut the forward into (1 when it was not cut)."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return sum("CompiledFunctionBackward" in node.name() for node in seen)
+
+
 def _compiled_training(rank: int, how: str, options: dict, server: str | None) -> dict:
     import torch._dynamo
 
@@ -566,8 +582,10 @@ def _compiled_training(rank: int, how: str, options: dict, server: str | None) -
         for step in range(4):
             ids = torch.randint(0, 256, (4, 33), generator=g)
             logits = wrapped(ids[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1))
+            out["compiled_backwards"] = _compiled_backward_nodes(loss)
             start = time.monotonic_ns()
-            F.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1)).backward()
+            loss.backward()
             if isinstance(engine_owner, PoseidonDDP) and step > 0:  # buckets learned: how spread their submissions
                 submits = [engine_owner.engine.core.submit_ns(b.index) for b in engine_owner.engine.buckets]
                 spreads.append((max(submits) - min(submits)) / (max(submits) - start))  # of backward's compute
