@@ -1,7 +1,9 @@
 // The native core of poseidon-torch: the per-parameter and per-bucket hot path of a pass.
 //
 // Job: count every parameter's gradient down from a hook on its gradient accumulator (no GIL while a
-// pass is open), submit a bucket to its channel the moment it is ready, run the channels on C++
+// pass is open), stage a bucket's gradients into its flat buffer on the thread that makes it ready
+// (C++ for PS buckets, the engine's ``stage`` with the GIL for the others), submit it to its channel
+// the moment it is ready, run the channels on C++
 // threads in the engine's channel plan (a split bucket's second slot is submitted when its first
 // ends; the bucket is done when its last slot is), run PS jobs (gather, staggered push, aggregate,
 // pull) on the c10d backends, call back into Python (with the GIL) for every other job, and be the
@@ -92,9 +94,10 @@ struct Span {
 class Core {
  public:
   Core(std::vector<at::Tensor> params, std::vector<std::tuple<BackendPtr, BackendPtr, bool>> channels,
-       int rank, int world_size, py::function run_job, py::function on_idle, bool record_order)
-      : params_(std::move(params)), rank_(rank), world_size_(world_size),
-        run_job_(std::move(run_job)), on_idle_(std::move(on_idle)), record_order_(record_order) {
+       int rank, int world_size, py::function run_job, py::function on_idle, py::function stage,
+       bool record_order)
+      : params_(std::move(params)), rank_(rank), world_size_(world_size), run_job_(std::move(run_job)),
+        on_idle_(std::move(on_idle)), stage_(std::move(stage)), record_order_(record_order) {
     for (auto& [up, down, coalesced] : channels) {
       channels_.push_back(Channel{up, down, coalesced});
     }
@@ -349,6 +352,7 @@ class Core {
     }
     run_job_ = py::function();  // break the cycle engine -> core -> engine's bound methods
     on_idle_ = py::function();
+    stage_ = py::function();
   }
 
  private:
@@ -410,10 +414,19 @@ class Core {
     return index;
   }
 
+  // On the thread that made the bucket ready: its gradients into the flat buffer first (a job never
+  // reads .grad), then into its channel's queue.
   void submit(int64_t index) {
+    Bucket& b = buckets_[index];  // the bucket's staging is this thread's until it is queued
+    if (b.native && !b.split) {
+      gather(b);
+    } else {
+      py::gil_scoped_acquire gil;
+      stage_(index);
+    }
     std::lock_guard<std::mutex> lock(mu_);
-    buckets_[index].submit_ns = monotonic_ns();
-    buckets_[index].queued = true;
+    b.submit_ns = monotonic_ns();
+    b.queued = true;
     cv_.notify_all();
   }
 
@@ -489,9 +502,7 @@ class Core {
     RECORD_USER_SCOPE(b.profile_name);
     const int64_t start = monotonic_ns();
     trace(b, "queue", b.submit_ns, start);
-    gather(b);
-    const int64_t network = monotonic_ns();
-    trace(b, "gather", start, network);
+    const int64_t network = start;  // staged at submission (see submit)
     for (auto& messages : b.push) exchange(messages, channel);
     for (auto& a : b.aggregate) aggregate(a);
     for (auto& messages : b.pull) exchange(messages, channel);
@@ -572,7 +583,7 @@ class Core {
 
   std::vector<at::Tensor> params_;
   const int rank_, world_size_;
-  py::function run_job_, on_idle_;
+  py::function run_job_, on_idle_, stage_;
   const bool record_order_;
   std::vector<Channel> channels_;
   std::vector<std::thread> threads_;
@@ -599,7 +610,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto released = py::call_guard<py::gil_scoped_release>();
   py::class_<Core>(m, "Core")
       .def(py::init<std::vector<at::Tensor>, std::vector<std::tuple<BackendPtr, BackendPtr, bool>>, int, int,
-                    py::function, py::function, bool>())
+                    py::function, py::function, py::function, bool>())
       .def("reset_buckets", &Core::reset_buckets)
       .def("add_bucket", &Core::add_bucket)
       .def("commit", &Core::commit)

@@ -5,8 +5,9 @@ never mixes them). Before the first backward, layers are grouped in reverse regi
 neighbours fused; after it, buckets are rebuilt once from the order in which gradients actually became
 ready (rank 0's order, the same on every rank): the fewest buckets whose simulated pipeline of sync
 jobs ends no later (within one job latency) than any grouping could, so small layers ride with their
-neighbours and only the layers near the end of backward keep short jobs; ``fusion_bytes`` caps a
-bucket. Layers that may take the SFB path stay buckets of their own.
+neighbours and only the layers near the end of backward keep short jobs; ``fusion_bytes`` caps what
+a bucket holds besides its largest layer (a layer above the cap still takes its small neighbours along).
+Layers that may take the SFB path stay buckets of their own.
 
 A :class:`Bucket` owns its parameters, its flat buffer, its used flags, its per-pass readiness and its
 CUDA events. Invariants:
@@ -21,15 +22,14 @@ CUDA events. Invariants:
   ``no_sync`` or in an aborted pass): they count as used at the next synced backward, however long
   the no_sync session lasted. ``seen``, ``dirty`` and ``used_anywhere`` are uint8 tensors that the
   core (Python or native) and the paths share; the bucket's readiness countdown lives in the core;
-- a pass copies ``.grad`` into the flat buffer once (:meth:`Bucket.stage`), by its sync job or, in a
-  pass whose jobs run on after ``backward()`` returns, by the training thread before it returns,
-  whichever comes first: no job reads ``.grad`` after ``backward()`` returned, so what the user does
-  to ``.grad`` then cannot change the sync.
+- a pass copies ``.grad`` into the flat buffer once (:meth:`Bucket.stage`), on the thread that makes
+  the bucket ready, before its job is queued (see ``core.py``): no job ever reads ``.grad``, so what
+  the user does to ``.grad`` while jobs run cannot change the sync.
 """
 from __future__ import annotations
 
 import math
-import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -81,8 +81,7 @@ class Bucket:
         self.bytes_sent = 0  #: by this rank in the bucket's last sync
         self.sync_seconds = 0.0  #: how long the bucket's last sync job took
         self.outcome = ""  #: how its last sync went: "PS", "SFB", or "SFB->PS" (exactness fallback)
-        self.staged = False  #: this pass's ``.grad`` is in the flat buffer (see :meth:`stage`)
-        self._staging = threading.Lock()
+        self.missing: list[int] = []  #: positions staged without their zeros (see :meth:`stage`)
         self.ready_event = self.done_event = None
         if self.device.type == "cuda":
             self.ready_event, self.done_event = torch.cuda.Event(), torch.cuda.Event()
@@ -111,36 +110,39 @@ class Bucket:
         for p, offset in zip(self.params, self.offsets):
             yield p, flat[offset:offset + p.numel()].view(p.shape)
 
-    def stage(self, aborted: bool, shadow: bool = False, grads_present: bool = False) -> None:
-        """Once per pass (the first caller, a sync job or the training thread, does it): copy this rank's
-        ``.grad`` (zeros where None), the used flags (accumulated in this pass, or dirty) and the aborted
-        flag into the flat buffer; a ``shadow`` (joined) rank contributes zeros and no flags.
-        ``grads_present``: also flag every parameter that has a ``.grad`` (an optimizer steps those)."""
-        with self._staging:
-            if self.staged:
-                return
-            self._gather(aborted, shadow)
-            if grads_present and not shadow:
-                flags = self.flat[self.grad_numel:-1]
-                for j, p in enumerate(self.params):
-                    if p.grad is not None:
-                        flags[j] = USED
-            self.staged = True
-
-    def unstage(self) -> None:
-        """A new pass (or a late gradient): the next :meth:`stage` copies ``.grad`` again."""
-        with self._staging:
-            self.staged = False
-
-    def _gather(self, aborted: bool, shadow: bool) -> None:
+    def stage(self, aborted: bool, shadow: bool = False, grads_present: bool = False,
+              defer_zeros: bool = False) -> None:
+        """Copy this rank's ``.grad`` (zeros where None), the used flags (accumulated in this pass, or
+        dirty) and the aborted flag into the flat buffer; a ``shadow`` (joined) rank contributes zeros
+        and no flags. ``grads_present``: also flag every parameter that has a ``.grad`` (an optimizer
+        steps those). ``defer_zeros``: leave the pieces of parameters without ``.grad`` unwritten and
+        listed in :attr:`missing` (:meth:`fill_missing` zeroes them if they are ever read: an SFB layer
+        needs its ``.grad`` only when it falls back to PS)."""
+        self.missing = []
         if shadow:
             self.flat.zero_()
             return
-        for p, piece in self.views():
-            if p.grad is None:
-                piece.zero_()
-            else:
+        for j, (p, piece) in enumerate(self.views()):
+            if p.grad is not None:
                 piece.copy_(p.grad, non_blocking=True)
+            elif defer_zeros:
+                self.missing.append(j)
+            else:
+                piece.zero_()
+        self._stage_flags(aborted)
+        if grads_present:
+            flags = self.flat[self.grad_numel:-1]
+            for j, p in enumerate(self.params):
+                if p.grad is not None:
+                    flags[j] = USED
+
+    def fill_missing(self) -> None:
+        """The zeros :meth:`stage` deferred (any thread: only the flat buffer is touched)."""
+        for j in self.missing:
+            self.flat[self.offsets[j]:self.offsets[j] + self.params[j].numel()].zero_()
+        self.missing = []
+
+    def _stage_flags(self, aborted: bool) -> None:
         flags = self.flat[self.grad_numel:]
         flags[:-1].copy_(self.seen | self.dirty, non_blocking=True)
         flags[-1] = USED if aborted else 0.0
@@ -148,9 +150,8 @@ class Bucket:
             torch.cuda.current_stream(self.device).synchronize()
 
     def begin_pass(self) -> None:
-        """A pass opens: nothing of it is staged yet; a dirty parameter whose ``.grad`` the user has since
-        set to None (``zero_grad()`` after a skipped step) holds nothing unsynced any more."""
-        self.unstage()
+        """A pass opens: a dirty parameter whose ``.grad`` the user has since set to None (``zero_grad()``
+        after a skipped step) holds nothing unsynced any more."""
         if self.dirty.any():
             for j, p in enumerate(self.params):
                 if p.grad is None:
@@ -224,7 +225,7 @@ def group_layers(layers: Sequence[Layer], cap_bytes: int, solo: set[str],
     after the earliest end any grouping reaches (:func:`fewest_jobs`): under BSP only the end of the
     last sync bounds the iteration, so an early layer may wait for its neighbours as long as that
     wait never reaches the tail. Layers in ``solo`` (SFB candidates) always form a bucket alone;
-    dtypes and devices never mix; no bucket exceeds ``cap_bytes`` unless one layer does."""
+    dtypes and devices never mix; no bucket holds more than ``cap_bytes`` besides its largest layer."""
     first = _first_joinable(layers, cap_bytes, solo)
     if ready_s is None or cost is None:
         return _fill(layers, first)
@@ -232,17 +233,27 @@ def group_layers(layers: Sequence[Layer], cap_bytes: int, solo: set[str],
 
 
 def _first_joinable(layers: Sequence[Layer], cap_bytes: int, solo: set[str]) -> list[int]:
-    """``first[i]``: the smallest j such that ``layers[j:i + 1]`` may form one bucket (one sweep: the
-    window only ever moves right)."""
+    """``first[i]``: the smallest j such that ``layers[j:i + 1]`` may form one bucket: the same kind, no
+    solo layer among several, and at most ``cap_bytes`` *besides its largest layer* (a layer above the
+    cap is a job of its own anyway; small neighbours riding with it save their own jobs' latency). Any
+    part of an allowed window is allowed, so one sweep does: the window only ever moves right (its
+    largest layer kept in a monotone deque)."""
     first: list[int] = []
     j = size = 0
+    largest: deque[int] = deque()  # window indices, their sizes decreasing
     for i, layer in enumerate(layers):
         prev = layers[i - 1] if i else None
         if layer.name in solo or prev is None or prev.name in solo or prev.kind != layer.kind:
             j, size = i, 0
+            largest.clear()
         size += layer.nbytes
-        while size > cap_bytes and j < i:
+        while largest and layers[largest[-1]].nbytes <= layer.nbytes:
+            largest.pop()
+        largest.append(i)
+        while size - layers[largest[0]].nbytes > cap_bytes and j < i:
             size -= layers[j].nbytes
+            if largest[0] == j:
+                largest.popleft()
             j += 1
         first.append(j)
     return first

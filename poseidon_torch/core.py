@@ -6,6 +6,12 @@ does. The *core* owns what happens once per parameter and once per bucket in eve
   submitted to its channel the moment its last gradient (or, for an FC layer on SFB, its factors) is
   ready; an accumulation while no pass is open marks the parameter dirty, or, in *ask* mode (a synced
   backward may be starting), calls the engine's ``on_idle(param)`` to decide;
+- a bucket's ``.grad`` is copied into its flat buffer (*staged*) by the thread that submits it (the
+  backward's thread, or the training thread for what ``finish`` submits), before its job is queued: a
+  sync job never reads ``.grad``, so a ``.grad`` the user touches while jobs run (after a backward
+  raised, or after ``backward()`` returned in parameter-server mode) can change nothing, and two threads
+  never access one ``.grad`` at once (torch's tensor objects are not safe for that: a reader raced a
+  ``zero_grad()`` into a segfault);
 - channels (one thread and its process groups each) run the slots of the engine's channel plan
   (``schedule.py``) in its fixed order; a PS job may run inside the core, any other slot calls the
   engine's ``run_job(key)``. A split bucket's second slot is submitted when its first slot ends, and
@@ -69,10 +75,11 @@ class PythonCore:
     python_hooks_per_param = 1  #: the post-accumulate-grad hook that counts readiness
 
     def __init__(self, params: Sequence[torch.nn.Parameter], channels: Sequence[ChannelGroups],
-                 run_job: Callable[[int], None], on_idle: Callable[[int], None], record_order: bool) -> None:
+                 run_job: Callable[[int], None], on_idle: Callable[[int], None], stage: Callable[[int], None],
+                 record_order: bool) -> None:
         self._params = list(params)
         self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._run_job, self._on_idle = run_job, on_idle
+        self._run_job, self._on_idle, self._stage = run_job, on_idle, stage
         self._record = record_order
         self._lock = threading.Lock()
         self._open = False
@@ -238,6 +245,7 @@ class PythonCore:
 
     def _submit(self, index: int) -> None:
         b = self._buckets[index]
+        self._stage(index)
         if b.ready_event is not None:
             b.ready_event.record()
         self._ready[index].submit_ns = time.monotonic_ns()
@@ -260,13 +268,14 @@ class NativeCore:
     python_hooks_per_param = 0  #: its hooks sit on the gradient accumulators, in C++
 
     def __init__(self, params: Sequence[torch.nn.Parameter], channels: Sequence[ChannelGroups],
-                 run_job: Callable[[int], None], on_idle: Callable[[int], None], record_order: bool) -> None:
+                 run_job: Callable[[int], None], on_idle: Callable[[int], None], stage: Callable[[int], None],
+                 record_order: bool) -> None:
         from . import _native
 
         self._params = list(params)
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._core = _native.Core(self._params, [(c.up, c.down, c.coalesced) for c in channels],
-                                  channels[0].rank, channels[0].size, run_job, on_idle, record_order)
+                                  channels[0].rank, channels[0].size, run_job, on_idle, stage, record_order)
         self._buckets: list[Bucket] = []
         self._native: list[bool] = []
 

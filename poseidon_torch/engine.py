@@ -158,7 +158,8 @@ class Engine:
         self._streams = StreamPool(device, len(self._channels)) if device.type == "cuda" else None
         self._lanes = [f"channel-{i}" for i in range(len(self._channels))]
         make = NativeCore if native and device.type == "cpu" else PythonCore
-        self.core = make(self.params, self._channels, self._run_job, self._on_idle, record_order=self.rank == 0)
+        self.core = make(self.params, self._channels, self._run_job, self._on_idle, self._stage,
+                         record_order=self.rank == 0)
         for layer in self.fc.values():
             layer.on_factors = self._on_factors
             layer.engine_hooks = self.core.python_hooks_per_param
@@ -385,10 +386,7 @@ class Engine:
         exchange = self._control.start_all_gather(everyone, mine)
         self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
         may_defer = self.server is not None and self._learned and not p.aborted
-        if may_defer:  # the jobs may run on after backward() returns: what they read of .grad, now
-            for bucket, ctx in zip(self.buckets, p.contexts):
-                self._path(bucket, ctx.path).stage(bucket, ctx)
-        else:
+        if not may_defer:
             self._guarded(p, self._wait_jobs)
         self._guarded(p, partial(_wait_exchange, exchange))
         facts = self.coordinator.observe(everyone.view(self.world_size, -1), len(self.buckets))
@@ -441,8 +439,9 @@ class Engine:
                             "that bucket's update (reentrant checkpointing or a hook that runs backward again?): "
                             "the late part was not applied")
         for bucket in late:  # a gradient arrived after its bucket's sync: average what .grad holds now
-            bucket.unstage()
-            if drive(self._ps.sync(bucket, self._channels[0], SyncContext(PS, p.task, p.aborted, p.shadow))):
+            ctx = SyncContext(PS, p.task, p.aborted, p.shadow)
+            self._ps.stage(bucket, ctx)
+            if drive(self._ps.sync(bucket, self._channels[0], ctx)):
                 self.core.scatter(bucket)
         self._update_stats(p, late)
         if self.recorder.active:
@@ -669,12 +668,24 @@ class Engine:
             if self.server is not None:
                 self.server.pushed()
 
-    def _first_slot(self, index: int, channel: int) -> _Slot:
-        """The phases of bucket ``index``'s job this pass (up to the update when the plan splits it)."""
-        bucket = self.buckets[index]
+    def _context_of(self, index: int) -> SyncContext:
+        """Bucket ``index``'s context in the pass its job belongs to (aborted if ``finish`` submitted it
+        for an aborted pass)."""
         ctx = self._jobs_pass.contexts[index]  # a deferred pass's jobs run on after it is closed
         if self.core.aborted(index) and not ctx.aborted:
             ctx = SyncContext(ctx.path, ctx.task, True, ctx.shadow, ctx.k_pad)
+        return ctx
+
+    def _stage(self, index: int) -> None:
+        """Bucket ``index`` is being submitted, on the thread that made it ready: what its path's job will
+        read of ``.grad``, into its flat buffer (the core's call; no job ever reads ``.grad``)."""
+        bucket, ctx = self.buckets[index], self._context_of(index)
+        self._path(bucket, ctx.path).stage(bucket, ctx)
+
+    def _first_slot(self, index: int, channel: int) -> _Slot:
+        """The phases of bucket ``index``'s job this pass (up to the update when the plan splits it)."""
+        bucket = self.buckets[index]
+        ctx = self._context_of(index)
         phases = self._path(bucket, ctx.path).sync(bucket, self._channels[channel], ctx)
         if index not in self.plan.split:
             return _Slot(ctx, self.core.submit_ns(index), phases)

@@ -162,9 +162,7 @@ class PSPath:
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
         """Average ``bucket``'s gradients over all ranks; yields the phases as they begin. ``ctx``
         (the engine's SyncContext) says whether this rank's backward was aborted or it has joined."""
-        yield "gather"
-        self.stage(bucket, ctx)
-        yield "network"
+        yield "network"  # staged when it was submitted (core.py)
         self.average(bucket, groups)
         bucket.bytes_sent = self.bytes_sent(bucket)
         bucket.outcome = self.name
@@ -173,7 +171,8 @@ class PSPath:
         return bucket.read_flags()  # the engine scatters the averages when the backward ends
 
     def stage(self, bucket: Bucket, ctx) -> None:
-        """What this path reads of the rank's gradients, into the flat buffer (see :meth:`Bucket.stage`)."""
+        """What this path's job will read of the rank's gradients, into the flat buffer, before the job is
+        queued (see :meth:`Bucket.stage`)."""
         bucket.stage(ctx.aborted, ctx.shadow)
 
     def average(self, bucket: Bucket, groups: ChannelGroups) -> None:

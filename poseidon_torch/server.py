@@ -380,9 +380,7 @@ class ServerPath:
         bucket.stage(ctx.aborted, ctx.shadow, grads_present=True)
 
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
-        yield "gather"
-        self.stage(bucket, ctx)
-        yield "network"
+        yield "network"  # staged when it was submitted
         self.ps.push(bucket, groups)
         flags = self.ps.owner_flags(bucket)
         self.ps.aggregate(bucket)
@@ -417,9 +415,6 @@ class SFBUpdatePath:
         self.inner.stage(bucket, ctx)
 
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
-        # staged at once (not only on a fallback): this job may run after backward() returned, and the
-        # buffer then carries new values, which a later staging must not overwrite
-        self.stage(bucket, ctx)
         synced = yield from self.inner.sync(bucket, groups, ctx)
         if not synced:  # aborted, or no rank used the layer: the same on every rank
             return False

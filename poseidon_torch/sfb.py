@@ -517,8 +517,9 @@ class SFBPath:
         self.ps, self.world_size, self.wire_device = ps, world_size, wire_device
 
     def stage(self, bucket: Bucket, ctx) -> None:
-        """What a fallback to the PS path reads of ``.grad`` (the factors themselves are held by the layer)."""
-        self.ps.stage(bucket, ctx)
+        """What a fallback to the PS path reads of ``.grad`` (the factors themselves are held by the layer):
+        the ``.grad`` that exist; the zeros of the others only if the fallback happens."""
+        bucket.stage(ctx.aborted, ctx.shadow, defer_zeros=True)
 
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
         """Sync one FC layer's bucket through SFB (``ctx``: the engine's SyncContext, with the pass's
@@ -539,7 +540,7 @@ class SFBPath:
             # rank sends its whole local gradient through the PS path instead, exact in every case.
             # An aborted backward of this rank is drained at the next forward, after the user may
             # have zeroed .grad: its factors are dropped, as the rest of that backward is.
-            self.ps.stage(bucket, ctx)
+            bucket.fill_missing()
             if not (ctx.shadow or ctx.aborted):
                 layer.add_local(bucket, u, v)
             layer.consume(ctx.task)

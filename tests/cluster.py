@@ -34,8 +34,12 @@ class ClusterError(RuntimeError):
 
 
 def _serve(rank: int, world_size: int, port: int, jobs, results) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
+
+    faulthandler.enable()  # a crash of a rank prints its stacks instead of dying silently
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

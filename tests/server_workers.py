@@ -132,7 +132,7 @@ def delayed_pulls(rank: int, world_size: int, delay_s: float) -> dict:
     runs' final states and the seconds this rank's forwards waited for new values."""
     from poseidon_torch.server import ServerPath
 
-    slow_pull = slowed(ServerPath, ("gather", "update"), delay_s)  # late to read .grad, late to pull
+    slow_pull = slowed(ServerPath, ("network", "update"), delay_s)  # late to push, late to pull
     spec = ModelSpec(widths=(16, 16), out_features=4)
     states, waited = {}, 0.0
     for wrapper in ("server", "ddp"):
@@ -181,7 +181,7 @@ def grad_edit_after_backward(rank: int, world_size: int, edit: str, lazy: bool, 
         opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=lazy)
         if wrapper == "server":
             engine = wrapped.engine
-            engine._server_path = slowed(ServerPath, ("gather",), 0.05)(engine._ps, engine.server)
+            engine._server_path = slowed(ServerPath, ("network",), 0.05)(engine._ps, engine.server)
             engine.paths["SFB"] = slowed(SFBPath, ("gather",), 0.05)(engine._ps, world_size, torch.device("cpu"))
             engine._sfb_update.inner = engine.paths["SFB"]
         for step in range(4):
