@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .compat import DDPArguments
-from .compiled import SplitAt, splitting_compiled_graphs
+from .compiled import DDP_SPLIT_BYTES, SplitAt, splitting_compiled_graphs
 from .coordinator import Plan
 from .core import native_status
 from .engine import CommStats, Engine
@@ -162,10 +162,10 @@ class PoseidonDDP(nn.Module, Joinable):
             skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy, forward_sync_buffers)
         if fusion_bytes is not None and ddp.fusion_bytes is not None:
             raise ValueError("pass either fusion_bytes or bucket_cap_mb (torch DDP's name for it), not both")
+        fusion_bytes = fusion_bytes if ddp.fusion_bytes is None else ddp.fusion_bytes
         self.options = Options(
             chunk_bytes=option(chunk_bytes, "CHUNK_BYTES", int, DEFAULT_CHUNK_BYTES),
-            fusion_bytes=option(fusion_bytes if ddp.fusion_bytes is None else ddp.fusion_bytes, "FUSION_BYTES", int,
-                                DEFAULT_FUSION_BYTES),
+            fusion_bytes=option(fusion_bytes, "FUSION_BYTES", int, DEFAULT_FUSION_BYTES),
             num_channels=option(num_channels, "NUM_CHANNELS", int, DEFAULT_NUM_CHANNELS),
             timeout=timeout, broadcast_buffers=ddp.buffers_follow_rank0, init_sync=init_sync, hybrid=hybrid,
             overrides=tuple(sorted((overrides or {}).items())), link=link,
@@ -177,7 +177,7 @@ class PoseidonDDP(nn.Module, Joinable):
             raise ValueError(f"rank {dist.get_rank()} is not a member of process_group (ranks {self._group_ranks})")
         self._backend = dist.get_backend(self._group)
         self._require_sync = True
-        self._split = SplitAt(self.options.fusion_bytes)
+        self._split = SplitAt(option(fusion_bytes, "FUSION_BYTES", int, DDP_SPLIT_BYTES))
         self._engine: Engine | None = None
         self._closed = False
         ddp.note_unneeded(self._group_ranks.index(dist.get_rank()))

@@ -691,3 +691,14 @@ def mismatched_construction(rank: int, world_size: int, case: str) -> str:
     except ModelMismatchError as exc:
         return str(exc)
     return "constructed"
+
+
+def compile_split_caps(rank: int, world_size: int) -> list[int]:
+    """Where dynamo would cut a compiled module under PoseidonDDP: by default, with ``fusion_bytes`` and
+    with torch DDP's ``bucket_cap_mb``."""
+    caps = []
+    for options in ({}, {"fusion_bytes": 2 << 20}, {"bucket_cap_mb": 3}):
+        wrapped = PoseidonDDP(torch.nn.Linear(4, 4), timeout=30, **options)
+        caps.append(wrapped._split.bucket_bytes_cap)
+        wrapped.close()
+    return caps

@@ -175,7 +175,8 @@ def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, r
         if args.mode in POSEIDON_MODES:
             api_bytes += model.comm_stats.bytes_sent_last_iteration
     tx_end = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
-    return {"times": times, "losses": losses, "api_bytes_per_iter": api_bytes / args.iters,
+    jobs = model.comm_stats.jobs_last_iteration if args.mode in POSEIDON_MODES else None
+    return {"times": times, "losses": losses, "api_bytes_per_iter": api_bytes / args.iters, "jobs_last_iter": jobs,
             "wire_bytes_per_iter": (tx_end - tx_start) / args.iters,
             "cpu_s_per_iter": (cpu_seconds() - cpu_start) / args.iters,
             "optimizer_state_bytes": optimizer_state_bytes(optimizer)}
@@ -218,6 +219,7 @@ def summarise(args: argparse.Namespace, records: list[dict], workload: Workload,
     }
     if args.mode in POSEIDON_MODES:
         result["comm_stats_bytes_per_iter_by_rank"] = [r["api_bytes_per_iter"] for r in records]
+        result["sync_jobs_last_iter"] = records[0]["jobs_last_iter"]  # the learned buckets (+ late re-syncs)
     if args.mode == "compute-only":
         result["profile"] = profile(workload)
     return result
