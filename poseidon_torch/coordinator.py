@@ -126,14 +126,16 @@ class Coordinator:
 
     def observe(self, everyone: torch.Tensor, num_buckets: int) -> PassFacts:
         """Every rank's facts (one row per rank): update K, sticky flags and the plan."""
-        aborted_ranks = everyone[:, 0].nonzero().flatten().tolist()
-        late = everyone[:, 1:1 + num_buckets].any(dim=0).tolist()
-        syncing = everyone[:, 1 + num_buckets:1 + 2 * num_buckets].any(dim=0).tolist()
-        per_layer = everyone[:, 1 + 2 * num_buckets:].view(everyone.shape[0], -1, 2)
+        rows = everyone.tolist()  # a few ints per bucket and layer: plain Python beats a torch op per value
+        aborted_ranks = [r for r, row in enumerate(rows) if row[0]]
+        columns = list(zip(*rows))
+        late = [any(c) for c in columns[1:1 + num_buckets]]
+        syncing = [any(c) for c in columns[1 + num_buckets:1 + 2 * num_buckets]]
+        per_layer = columns[1 + 2 * num_buckets:]
         for i, name in enumerate(self.fc):
-            self.k_max[name] = int(per_layer[:, i, 0].max())
-            for r in range(everyone.shape[0]):
-                self.sticky[name] |= int(per_layer[r, i, 1])
+            self.k_max[name] = max(per_layer[2 * i])
+            for flags in per_layer[2 * i + 1]:
+                self.sticky[name] |= flags
         if not aborted_ranks:
             self.passes += 1
             self.sfb = {name for name in self.fc if self._chooses_sfb(name)}
