@@ -1,4 +1,4 @@
-"""Buckets learned from the first backward: rank 0's readiness order, the same buckets on every rank."""
+"""Buckets learned from the first backward: rank 0's readiness order, the same buckets on every rank; the first rebuild costs jobs by the link model."""
 from __future__ import annotations
 
 import itertools
@@ -115,3 +115,13 @@ def test_readiness_order_puts_unready_layers_last():
     ordered, ready = readiness_order(layers, param_order=[2, 0], param_ready_s=[0.1, 0.2])
     assert [x.name for x in ordered] == ["c", "a", "b"]
     assert ready == {"c": 0.1, "a": 0.2, "b": 0.2}
+
+
+def test_the_first_rebuild_ignores_how_slow_the_first_jobs_were(cluster):
+    """Issue 20: the first pass's job times are cold; a job cost fitted to them learned 2 to 7 jobs in
+    fresh runs of one model. The first rebuild costs jobs by the link model: the same buckets whether
+    the first jobs were fast or took 20 us per byte (where a fitted cost would split every layer)."""
+    fast = cluster.run(workers.buckets_learned_after_cold_jobs, 0.0, timeout=60)
+    slow = cluster.run(workers.buckets_learned_after_cold_jobs, 2e-5, timeout=60)
+    assert fast == slow, (fast, slow)
+    assert len(fast[0]) == 2, fast[0]  # by the link model: the fp32 layers fuse, the fp64 one apart

@@ -702,3 +702,45 @@ def compile_split_caps(rank: int, world_size: int) -> list[int]:
         caps.append(wrapped._split.bucket_bytes_cap)
         wrapped.close()
     return caps
+
+
+class MixedKinds(torch.nn.Module):
+    """Three fp32 Linear layers and an fp64 one: kinds never share a bucket, so even the first pass's
+    buckets have two sizes a job cost could be fitted to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16).double()
+        self.hidden = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x.double())).float()
+        for layer in self.hidden:
+            h = torch.tanh(layer(h))
+            h.register_hook(lambda grad: time.sleep(0.03))  # 30 ms of "backward compute" between layers
+        return h
+
+
+def buckets_learned_after_cold_jobs(rank: int, world_size: int, cold_seconds_per_byte: float) -> list[str]:
+    """The buckets learned from a first pass whose sync jobs took ``cold_seconds_per_byte`` per byte
+    (slowed on purpose, as a cold first use is), with a fast link model given."""
+    from server_workers import watched
+
+    from poseidon_torch.kvstore import PSPath
+    from poseidon_torch.link import LinkModel
+
+    wrapped = PoseidonDDP(MixedKinds(), timeout=60, hybrid=False, engine="python", fusion_bytes=1 << 20,
+                          link=LinkModel(1e-3, 1e-9))
+    ps = wrapped.engine._ps
+    warm = ps.__class__
+    ps.__class__ = watched(warm, before=lambda phase, bucket: time.sleep(bucket.nbytes * cold_seconds_per_byte)
+                           if phase == "network" else None)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        wrapped.module.zero_grad()
+        wrapped(torch.randn(4, 8, generator=g)).square().mean().backward()
+        ps.__class__ = warm
+    names = wrapped.bucket_names
+    wrapped.close()
+    return names
