@@ -1,4 +1,5 @@
-"""Buckets learned from the first backward: rank 0's readiness order, the same buckets on every rank; the first rebuild costs jobs by the link model."""
+"""Buckets learned from the first backward: rank 0's readiness order, the same buckets on every rank;
+the first rebuild costs jobs by the link model."""
 from __future__ import annotations
 
 import itertools
