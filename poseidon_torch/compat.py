@@ -5,8 +5,8 @@ find_unused_parameters=..., **kwargs)``; swapping the class name must work. Ever
 2.13's DDP is taken, in DDP's positional order, and resolved here once:
 - *honoured* where PoseidonDDP has the same notion: ``broadcast_buffers`` / ``forward_sync_buffers``
   (buffers follow rank 0 at every synced forward), ``init_sync`` (rank 0's state at construction),
-  ``process_group`` / ``device_mesh`` (the ranks to train over), ``bucket_cap_mb`` (the largest bucket
-  the learned fusion may build), ``device_ids`` / ``output_device`` (checked against the module's
+  ``process_group`` / ``device_mesh`` (the ranks to train over), ``bucket_cap_mb`` (the fusion cap, and
+  where a compiled graph is cut), ``device_ids`` / ``output_device`` (checked against the module's
   device, as DDP does);
 - *accepted with a one-time note* where PoseidonDDP needs no flag (``find_unused_parameters=True``,
   ``static_graph``, ``gradient_as_bucket_view``, ...): the behaviour they ask for is PoseidonDDP's own;
@@ -85,7 +85,7 @@ class DDPArguments:
 
     @property
     def fusion_bytes(self) -> int | None:
-        """The largest bucket, from ``bucket_cap_mb`` (or the largest of ``bucket_cap_mb_list``)."""
+        """The fusion cap, from ``bucket_cap_mb`` (or the largest of ``bucket_cap_mb_list``)."""
         if self.bucket_cap_mb_list:
             return int(max(self.bucket_cap_mb_list) * MIB)
         return None if self.bucket_cap_mb is None else int(self.bucket_cap_mb * MIB)

@@ -119,8 +119,10 @@ class PoseidonDDP(nn.Module, Joinable):
             broadcast of rank 0's state, ``device_ids`` / ``output_device`` must name the module's device.
         chunk_bytes: size of the pieces the gradient space is cut into for the KV-store shards
             (default 2 MiB, or ``POSEIDON_CHUNK_BYTES``).
-        fusion_bytes: the largest bucket (default 4 MiB, or ``POSEIDON_FUSION_BYTES``); 0 keeps every
-            layer a bucket of its own. Within it, buckets are learned from the first backward.
+        fusion_bytes: what a bucket may hold besides its largest layer (default 4 MiB, or
+            ``POSEIDON_FUSION_BYTES``); 0 keeps every layer a bucket of its own. Within it, buckets are
+            learned from the first backward. Given, it is also where ``torch.compile`` cuts the graph
+            (else at torch DDP's 25 MiB).
         num_channels: sync threads, each with its own process groups (default 2, or
             ``POSEIDON_NUM_CHANNELS``).
         timeout: seconds any wait may take before the step fails (dead or stuck peer).
