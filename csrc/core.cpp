@@ -502,13 +502,12 @@ class Core {
     RECORD_USER_SCOPE(b.profile_name);
     const int64_t start = monotonic_ns();
     trace(b, "queue", b.submit_ns, start);
-    const int64_t network = start;  // staged at submission (see submit)
     for (auto& messages : b.push) exchange(messages, channel);
     for (auto& a : b.aggregate) aggregate(a);
     for (auto& messages : b.pull) exchange(messages, channel);
     read_flags(b);  // the engine scatters the averages into .grad when the backward ends
     const int64_t end = monotonic_ns();
-    trace(b, "network", network, end);
+    trace(b, "network", start, end);  // no gather span: staged at submission (see submit)
     trace(b, "sync", start, end);
     std::lock_guard<std::mutex> lock(mu_);
     b.bytes_sent = b.bytes_per_sync;
