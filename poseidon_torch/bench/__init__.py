@@ -6,7 +6,10 @@ Layout:
 - :mod:`~poseidon_torch.bench.workloads`: the synthetic training workloads (fixed seeds).
 - :mod:`~poseidon_torch.bench.worker`: one rank of one benchmark run; writes a JSON result file.
 - :mod:`~poseidon_torch.bench.netns`: the emulated cluster (network namespaces, a bridge, tc shaping).
-- :mod:`~poseidon_torch.bench.__main__`: the runner that launches every mode and reports.
+- :mod:`~poseidon_torch.bench.launch`: where ranks run (localhost or the emulated cluster) and launching them.
+- :mod:`~poseidon_torch.bench.__main__`: the throughput runner that launches every mode and reports.
+- :mod:`~poseidon_torch.bench.accuracy`: time to accuracy on real data, with stragglers
+  (``python -m poseidon_torch.bench.accuracy``).
 
 Invariants: no bench module imports PoseidonDDP at module level; only the worker's poseidon modes do,
 lazily, so a missing or broken engine fails those modes alone (with the import error in the report). The

@@ -42,48 +42,15 @@ Invariants:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from poseidon_torch.bench.netns import HOST_IFACE, EmulatedCluster, NetnsUnavailable, parse_delay, parse_rate, \
-    signals_deferred
+from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, free_port, fresh_dir, rank_env, \
+    run_placed, run_ranks, threads_per_rank, write_report
+from poseidon_torch.bench.netns import parse_delay, parse_rate
 from poseidon_torch.bench.worker import DEFAULT_MODES, MODES, POSEIDON_MODES
 from poseidon_torch.bench.workloads import MAIN_WORKLOADS, WORKLOADS
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-STARTUP_GRACE_S = 60.0
-STOP_GRACE_S = 3.0
-
-
-@dataclass
-class Placement:
-    """Where ranks run: ``kind`` is the mode actually used; ``wrap(host, argv)`` is the command for a host."""
-    kind: str
-    master_addr: str
-    gloo_iface: str
-    wire_iface: str | None
-    wrap: Callable[[int, list[str]], list[str]]
-    latency: str | None = None
-    warnings: list[str] = field(default_factory=list)
-
-
-class RankFailure(RuntimeError):
-    """A rank exited non-zero or the run passed its deadline; ``log_tail`` holds the culprit's last lines."""
-
-    def __init__(self, message: str, log_tail: str) -> None:
-        super().__init__(message)
-        self.log_tail = log_tail
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m poseidon_torch.bench",
@@ -121,121 +88,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.hosts < 1 or args.iters < 1 or args.warmup < 0:
         parser.error("--hosts and --iters must be >= 1, --warmup >= 0")
     return args
-
-
-class Interrupted(BaseException):
-    """SIGTERM or SIGHUP arrived; raised from the handler so that the stack unwinds as with Ctrl-C."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_interrupted(signum: int, _frame: object) -> None:
-    raise Interrupted(signum)
-
-
-def install_signal_handlers() -> None:
-    """SIGTERM / SIGHUP unwind like Ctrl-C does, so every ``finally`` and context manager cleans up."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_interrupted)
-
-
-def localhost_placement() -> Placement:
-    return Placement("localhost", "127.0.0.1", "lo", None, lambda _host, argv: argv)
-
-
-def open_placement(args: argparse.Namespace, stack: contextlib.ExitStack) -> Placement:
-    """The emulated cluster in netns mode (entered on ``stack``), else, or if it cannot be built, localhost."""
-    if args.mode == "netns":
-        try:
-            cluster = stack.enter_context(EmulatedCluster(args.hosts, args.bandwidth, args.latency, args.mtu))
-        except NetnsUnavailable as exc:
-            print(f"netns mode unavailable: {exc}\nFalling back to localhost mode.", file=sys.stderr)
-        else:
-            return Placement("netns", cluster.address(0), HOST_IFACE, HOST_IFACE, cluster.command,
-                             cluster.delay, list(cluster.warnings))
-    return localhost_placement()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def threads_per_rank(hosts: int) -> int:
-    return 1 if hosts > 1 else (os.cpu_count() or 1)
-
-
-def rank_env(placement: Placement, rank: int, world: int, port: int, threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=placement.master_addr, MASTER_PORT=str(port),
-               GLOO_SOCKET_IFNAME=placement.gloo_iface, OMP_NUM_THREADS=str(threads),
-               PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))))
-    return env
-
-
-def _log_tail(log: Path, lines: int = 15) -> str:
-    text = log.read_text(errors="replace") if log.exists() else ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _last_line(text: str) -> str:
-    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "(no output)")
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every live rank's process group, SIGKILL what is left after a grace period, reap all."""
-    with signals_deferred():
-        live = [p for p in procs if p.poll() is None]
-        for proc in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for proc in live:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:
-    """Return when every rank exited 0; raise :class:`RankFailure` at the first failure or at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in procs]
-        for rank, code in enumerate(codes):
-            if code not in (None, 0):
-                tail = _log_tail(logs[rank])
-                raise RankFailure(f"rank {rank} exited with status {code}: {_last_line(tail)}", tail)
-        if all(code == 0 for code in codes):
-            return
-        if time.monotonic() > deadline:
-            tail = _log_tail(logs[codes.index(None)])
-            raise RankFailure(f"timed out after {timeout:.0f} s", tail)
-        time.sleep(0.05)
-
-
-def run_ranks(commands: list[list[str]], envs: list[dict[str, str]], logs: list[Path], timeout: float) -> None:
-    """Start one process per rank (own process group, output to its log) and wait for all of them."""
-    procs: list[subprocess.Popen] = []
-    try:
-        for command, env, log in zip(commands, envs, logs):
-            with log.open("w") as out:
-                procs.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
-        wait_all(procs, logs, timeout)
-    finally:
-        stop(procs)
-
-
-def fresh_dir(path: Path) -> Path:
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    return path
 
 
 def worker_argv(args: argparse.Namespace, mode: str, workload: str, result: Path, threads: int,
@@ -412,20 +264,10 @@ def run_all(args: argparse.Namespace, placement: Placement) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    install_signal_handlers()
-    for sub in ("runs", "logs"):
-        (args.out / sub).mkdir(parents=True, exist_ok=True)
-    try:
-        with contextlib.ExitStack() as stack:
-            report = run_all(args, open_placement(args, stack))
-    except (KeyboardInterrupt, Interrupted) as exc:
-        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        print(f"interrupted by {signal.Signals(signum).name}; workers stopped, namespaces removed", file=sys.stderr)
-        return 128 + signum
-    (args.out / "results.json").write_text(json.dumps(report, indent=1))
-    plot(report, args.out / "results.png")
-    print(table(report))
-    print(f"\nwrote {args.out / 'results.json'} and {args.out / 'results.png'}")
+    report = run_placed(args, lambda placement: run_all(args, placement))
+    if isinstance(report, int):
+        return report
+    write_report(args.out, report, plot, table)
     failed = [m for e in report["workloads"].values() for m in e["modes"].values() if "error" in m]
     return 1 if failed else 0
 

@@ -10,7 +10,7 @@ Links use jumbo frames (``mtu``, default 9000): with 1500-byte frames the per-pa
 bridge + tbf caps a flow at ~1.6 Gbit/s on a 2-core machine, far below a 10gbit rate; at 9000 a flow
 reaches ~9.9 Gbit/s there.
 
-Shaping, per host link and per direction: a ``tbf`` at the egress of the host-side ``veth0`` (host ->
+Shaping, per host link and per direction (``host_rates`` gives chosen hosts another rate: a slow link): a ``tbf`` at the egress of the host-side ``veth0`` (host ->
 switch) and at the egress of the switch-side ``pI`` (switch -> host), so every host can send and receive
 at most ``rate`` at once, as with a full-duplex NIC on a non-blocking switch. ``burst`` is 1 ms of
 traffic at ``rate`` (at least 128 KiB, above a 64 KiB GSO packet), ``limit`` (the queue) 10 ms at ``rate``.
@@ -136,10 +136,15 @@ class EmulatedCluster:
     """``hosts`` namespaces joined by a shaped bridge; use as ``with EmulatedCluster(2, "1gbit") as c: ...``."""
 
     def __init__(self, hosts: int, rate: str, delay: str | None = None, mtu: int = 9000,
-                 prefix: str = PREFIX) -> None:
+                 prefix: str = PREFIX, host_rates: dict[int, str] | None = None) -> None:
         if not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be in 1..250, got {hosts}")
-        self.hosts, self.rate_bps, self.mtu, self.prefix = hosts, parse_rate(rate), mtu, prefix
+        unknown = sorted(set(host_rates or {}) - set(range(hosts)))
+        if unknown:
+            raise ValueError(f"host_rates names host(s) {unknown}, the cluster has hosts 0..{hosts - 1}")
+        self.hosts, self.mtu, self.prefix = hosts, mtu, prefix
+        #: a host's link rate in bit/s, both directions: ``rate`` unless ``host_rates`` names the host
+        self.host_rate_bps = {host: parse_rate((host_rates or {}).get(host, rate)) for host in range(hosts)}
         self.delay = parse_delay(delay) if delay else None
         self.switch = f"{prefix}sw"
         self.warnings: list[str] = []
@@ -196,7 +201,7 @@ class EmulatedCluster:
         _ip("-n", ns, "link", "set", HOST_IFACE, "mtu", str(self.mtu))
         _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", HOST_IFACE)
         _ip("-n", ns, "link", "set", HOST_IFACE, "up")
-        shaper = tbf_args(self.rate_bps)
+        shaper = tbf_args(self.host_rate_bps[host])
         if self.delay and self._add_netem(ns):
             _tc(ns, "qdisc", "add", "dev", HOST_IFACE, "parent", "1:1", "handle", "10:", *shaper)
         else:

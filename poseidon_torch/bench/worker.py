@@ -41,14 +41,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import faulthandler
 import json
 import os
 import resource
 import statistics
-import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -56,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from poseidon_torch.bench.launch import exit_worker, worker_main
 from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, profile
 
 SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-priority")
@@ -86,22 +84,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def wrapper_for(args: argparse.Namespace) -> Callable[[nn.Module], nn.Module]:
-    """The function that wraps the module for ``args.mode`` (imports PoseidonDDP only when needed)."""
-    if args.mode == "compute-only":
+def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None) -> Callable[[nn.Module], nn.Module]:
+    """The function that wraps the module for ``mode`` (imports PoseidonDDP only when needed)."""
+    if mode == "compute-only":
         return lambda module: module
-    if args.mode in ("torch-ddp", "ddp-zero"):
+    if mode in ("torch-ddp", "ddp-zero"):
         return nn.parallel.DistributedDataParallel
     try:
         from poseidon_torch import PoseidonDDP
     except ImportError as exc:
-        raise RuntimeError(f"mode {args.mode} needs poseidon_torch.PoseidonDDP, "
+        raise RuntimeError(f"mode {mode} needs poseidon_torch.PoseidonDDP, "
                            f"which is not importable: {exc}") from exc
-    hybrid = args.mode == "poseidon-hybrid" or args.mode in SERVER_MODES
-    engine = "python" if args.mode == "poseidon-ps-python" else "native"
-    if args.mode == "poseidon-server-lazy-priority":
+    hybrid = mode == "poseidon-hybrid" or mode in SERVER_MODES
+    engine = "python" if mode == "poseidon-ps-python" else "native"
+    if mode == "poseidon-server-lazy-priority":
         os.environ["POSEIDON_PULL_PRIORITY"] = "1"
-    return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=args.timeout, trace_dir=args.trace_dir,
+    return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=timeout, trace_dir=trace_dir,
                                       engine=engine)
 
 
@@ -112,10 +110,10 @@ def init_process_group(timeout: float) -> tuple[int, int]:
     return rank, world
 
 
-def make_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
-    """The run's optimizer: the user's own on the whole model, or sharded (ZeRO, or PoseidonDDP's servers)."""
-    cls, kwargs = OPTIMIZERS[args.optimizer]
-    if args.mode == "ddp-zero":
+def make_optimizer(mode: str, model: nn.Module, cls: type, kwargs: dict) -> torch.optim.Optimizer:
+    """``mode``'s optimizer (``cls(**kwargs)``): the user's own on the whole model, or sharded (ZeRO, or
+    PoseidonDDP's servers)."""
+    if mode == "ddp-zero":
         from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -126,10 +124,10 @@ def make_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Op
         if overlap:
             model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
         return zero
-    if args.mode in SERVER_MODES:
+    if mode in SERVER_MODES:
         from poseidon_torch import ServerOptimizer
 
-        return ServerOptimizer(model, cls, lazy_pull=args.mode.startswith("poseidon-server-lazy"), **kwargs)
+        return ServerOptimizer(model, cls, lazy_pull=mode.startswith("poseidon-server-lazy"), **kwargs)
     return cls(model.parameters(), **kwargs)
 
 
@@ -158,7 +156,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[
 def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, rank: int) -> dict:
     """Warm up, then time ``args.iters`` iterations; this rank's raw measurements. With ``--compile`` the
     steps run through ``torch.compile(model)`` (compiled during warm-up); ``model`` keeps the stats."""
-    optimizer = make_optimizer(args, model)
+    optimizer = make_optimizer(args.mode, model, *OPTIMIZERS[args.optimizer])
     runs = torch.compile(model) if args.compile else model
     for step in range(args.warmup):
         train_step(runs, optimizer, workload.make_batch(rank, step), workload.loss_fn)
@@ -243,7 +241,7 @@ def measure(args: argparse.Namespace, wrap: Callable[[nn.Module], nn.Module], wo
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
-    wrap = wrapper_for(args)
+    wrap = wrapper_for(args.mode, args.timeout, args.trace_dir)
     # compute-only ranks join the group too, but only to gather their timings after the timed loop:
     # they run side by side, so each gets the CPU share a host gets in the synced modes
     rank, _ = init_process_group(args.timeout)
@@ -262,24 +260,8 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    faulthandler.dump_traceback_later(args.timeout, exit=True)
-    try:
-        run(args)
-    except Exception as exc:
-        traceback.print_exc()
-        print(f"worker {args.mode}/{args.workload} rank {os.environ.get('RANK', '0')} failed: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-    return 0
+    return worker_main(lambda: run(args), args.timeout, f"{args.mode}/{args.workload}")
 
 
 if __name__ == "__main__":
-    status = main()
-    # the result is written and every group destroyed; skip the interpreter's teardown, in which
-    # torch's gloo backend now and then aborts with "terminate called without an active exception"
-    # (seen in compute-only runs too, which use no PoseidonDDP)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    exit_worker(main())

@@ -1,0 +1,154 @@
+"""Time to accuracy: every mode trains the same task on real data, side by side, with emulated stragglers.
+
+Usage::
+
+    python -m poseidon_torch.bench.accuracy --task lm|digits --mode localhost|netns --hosts N
+        [--bandwidth 1gbit] [--modes torch-ddp,poseidon-ps,...] (--steps S | --time-budget SECONDS)
+        --eval-every E [--straggler persistent:factor=2] [--target VALUE] [--budget SECONDS] --out DIR
+
+Each mode runs after the other (one worker process per host, :mod:`~poseidon_torch.bench.accuracy.worker`),
+from the same initial weights and the same data order. The run writes ``DIR/results.json`` (every
+evaluated point of every mode, the configuration, the derived numbers), ``DIR/results.png`` (validation
+metric against training seconds and against steps) and prints a table: steps, training seconds,
+samples/s, the final metric, seconds to the target (``--target``; default: the value torch DDP ends at)
+and the metric at a time budget (``--budget``; default: the shortest run's training time). A progress
+line per evaluation point is echoed while a mode runs; rank logs go to ``DIR/logs``.
+
+Invariants: the launch, placement and clean-up are the throughput benchmark's
+(:mod:`poseidon_torch.bench.launch`); a failed mode is recorded with its error and the others still run
+(exit status 1); a slow link needs an emulated cluster, so ``slow-link`` outside netns mode is refused.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from poseidon_torch.bench.accuracy.report import add_derived, plot, table
+from poseidon_torch.bench.accuracy.stragglers import parse_straggler
+from poseidon_torch.bench.accuracy.tasks import TASKS
+from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, free_port, rank_env, run_placed, \
+    run_ranks, threads_per_rank, write_report
+from poseidon_torch.bench.netns import parse_delay, parse_rate
+from poseidon_torch.bench.worker import MODES
+
+DEFAULT_MODES = ("torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-server-lazy")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m poseidon_torch.bench.accuracy",
+                                     description="Time to accuracy on real data, every mode side by side.")
+    parser.add_argument("--task", choices=sorted(TASKS), default="lm")
+    parser.add_argument("--mode", choices=("localhost", "netns"), default="localhost")
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--bandwidth", default="1gbit", help="link rate per host (netns mode)")
+    parser.add_argument("--latency", help="one-way host-to-host delay (netns mode), e.g. 0.2ms")
+    parser.add_argument("--mtu", type=int, default=9000)
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--steps", type=int, help="steps per mode (with --time-budget: at most)")
+    parser.add_argument("--time-budget", type=float, help="training seconds per mode (rank 0's clock)")
+    parser.add_argument("--eval-every", type=int, default=20, help="evaluate every this many steps")
+    parser.add_argument("--straggler", default="none",
+                        help="none | persistent:factor=F[,rank=R] | transient:p=P,delay=D[,seed=S] | "
+                             "slow-link:rate=RATE[,rank=R] (D: 50ms, or a fraction of a step's compute)")
+    parser.add_argument("--target", type=float, help="target value of the metric (default: torch DDP's final one)")
+    parser.add_argument("--budget", type=float, help="report the metric at this many training seconds "
+                                                     "(default: the shortest run's)")
+    parser.add_argument("--tiny", action="store_true", help="shrunken models (smoke tests)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds each rank may run")
+    parser.add_argument("--out", type=Path, default=Path("accuracy_out"))
+    args = parser.parse_args(argv)
+    args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+    if not args.modes or set(args.modes) - set(MODES):
+        parser.error(f"--modes takes modes of {', '.join(MODES)}")
+    if args.steps is None and args.time_budget is None:
+        parser.error("give --steps, --time-budget or both")
+    if args.hosts < 1 or args.eval_every < 1 or (args.steps is not None and args.steps < 1):
+        parser.error("--hosts, --eval-every and --steps must be >= 1")
+    try:
+        parse_rate(args.bandwidth)
+        args.latency = parse_delay(args.latency) if args.latency else None
+        args.straggler_spec = parse_straggler(args.straggler, args.hosts)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.straggler_spec.kind == "slow-link" and args.mode != "netns":
+        parser.error("a slow-link straggler shapes a link: it needs --mode netns")
+    return args
+
+
+class ProgressEcho:
+    """Prints the ``progress:`` lines rank 0 adds to its log, prefixed with the mode."""
+
+    def __init__(self, log: Path, prefix: str) -> None:
+        self.log, self.prefix, self.seen = log, prefix, 0
+
+    def __call__(self) -> None:
+        if not self.log.exists():
+            return
+        lines = self.log.read_text(errors="replace").splitlines()
+        for line in lines[self.seen:]:
+            if line.startswith("progress:"):
+                print(f"[{self.prefix}] {line[len('progress:'):].strip()}", file=sys.stderr, flush=True)
+        self.seen = len(lines)
+
+
+def worker_argv(args: argparse.Namespace, mode: str, result: Path, threads: int) -> list[str]:
+    argv = [sys.executable, "-m", "poseidon_torch.bench.accuracy.worker", "--task", args.task, "--mode", mode,
+            "--eval-every", str(args.eval_every), "--straggler", args.straggler, "--threads", str(threads),
+            "--timeout", str(args.timeout), "--result", str(result)]
+    argv += ["--steps", str(args.steps)] if args.steps is not None else []
+    argv += ["--time-budget", str(args.time_budget)] if args.time_budget is not None else []
+    return argv + ["--tiny"] * args.tiny
+
+
+def run_mode(args: argparse.Namespace, placement: Placement, mode: str) -> dict:
+    """One mode's result, or ``{"error", "log_tail"}``."""
+    result = args.out / "runs" / f"{mode}.json"
+    result.unlink(missing_ok=True)
+    threads = threads_per_rank(args.hosts)
+    argv = worker_argv(args, mode, result, threads)
+    port = free_port()
+    logs = [args.out / "logs" / f"{mode}-rank{rank}.log" for rank in range(args.hosts)]
+    try:
+        run_ranks([placement.wrap(rank, argv) for rank in range(args.hosts)],
+                  [rank_env(placement, rank, args.hosts, port, threads) for rank in range(args.hosts)],
+                  logs, args.timeout + STARTUP_GRACE_S, ProgressEcho(logs[0], mode))
+    except RankFailure as exc:
+        return {"error": str(exc), "log_tail": exc.log_tail}
+    return json.loads(result.read_text())
+
+
+def config(args: argparse.Namespace, placement: Placement) -> dict:
+    enforced = placement.kind == "netns"
+    return {"task": args.task, "mode_requested": args.mode, "mode": placement.kind, "hosts": args.hosts,
+            "link": args.bandwidth if enforced else "localhost", "latency": placement.latency,
+            "straggler": args.straggler, "straggler_spec": args.straggler_spec.describe(), "steps": args.steps,
+            "time_budget_s": args.time_budget, "eval_every": args.eval_every, "tiny": args.tiny,
+            "threads_per_rank": threads_per_rank(args.hosts), "warnings": placement.warnings}
+
+
+def run_all(args: argparse.Namespace, placement: Placement) -> dict:
+    if args.straggler_spec.kind == "slow-link" and placement.kind != "netns":
+        raise RuntimeError("a slow-link straggler needs the emulated cluster, which could not be built")
+    report = {"config": config(args, placement), "modes": {}}
+    for mode in args.modes:
+        print(f"[{mode}] ...", file=sys.stderr, flush=True)
+        report["modes"][mode] = run_mode(args, placement, mode)
+        if "error" in report["modes"][mode]:
+            print(f"[{mode}] FAILED: {report['modes'][mode]['error']}", file=sys.stderr)
+    add_derived(report, args.target, args.budget)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = run_placed(args, lambda placement: run_all(args, placement), args.straggler_spec.host_rates())
+    if isinstance(report, int):
+        return report
+    write_report(args.out, report, plot, table)
+    return 1 if any("error" in run for run in report["modes"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

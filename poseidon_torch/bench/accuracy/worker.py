@@ -1,0 +1,239 @@
+"""One rank of one time-to-accuracy run: train a task in one mode, snapshot the model at fixed steps,
+evaluate the snapshots after training, report JSON.
+
+Usage (normally launched by ``python -m poseidon_torch.bench.accuracy``)::
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
+        python -m poseidon_torch.bench.accuracy.worker --task lm --mode torch-ddp --steps 200 \\
+        --eval-every 20 --result out.json [--time-budget S] [--straggler persistent:factor=2] [--tiny]
+
+Modes are the throughput benchmark's (:data:`poseidon_torch.bench.worker.MODES`); ``compute-only`` trains
+each rank alone on its own shard (never syncs: the wrong answer the parity check must catch).
+
+Invariants:
+- A step is: straggler pause, zero_grad, forward, loss, backward, optimizer step. Each rank reads its own
+  shard through a ``DistributedSampler`` (seeded, ``set_epoch`` every epoch), so every mode sees the same
+  data in the same order.
+- The training clock starts after a barrier and excludes snapshotting: at step 0, every ``--eval-every``
+  steps and at the end, rank 0 waits for its parameters to be current (``PoseidonDDP.synchronize()``:
+  lazy pulls land) and copies its module's ``state_dict``; the copy's time is not counted. Validation runs
+  after training, on rank 0, on those copies, so it costs the training nothing.
+- ``--time-budget``: when rank 0's clock passes it after ``n`` steps, it publishes ``stop = n + 1`` in the
+  run's store and every rank stops after step ``stop`` (all ranks run the same number of steps; a rank of
+  a synchronous mode is never more than one step ahead of another).
+- Rank 0 writes the result; any error or running past ``--timeout`` ends the process non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from poseidon_torch.bench.accuracy.stragglers import Straggler, parse_straggler
+from poseidon_torch.bench.accuracy.tasks import TASKS, Task
+from poseidon_torch.bench.launch import exit_worker, worker_main
+from poseidon_torch.bench.worker import MODES, POSEIDON_MODES, make_optimizer, wrapper_for
+
+DATA_SEED = 97
+CALIBRATION_STEPS = 5
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m poseidon_torch.bench.accuracy.worker",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--task", choices=sorted(TASKS), required=True)
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--steps", type=int, help="steps per rank (with --time-budget: at most)")
+    parser.add_argument("--time-budget", type=float, help="seconds of training on rank 0's clock")
+    parser.add_argument("--eval-every", type=int, required=True, help="snapshot every this many steps")
+    parser.add_argument("--straggler", default="none")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--result", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.steps is None and args.time_budget is None:
+        parser.error("give --steps, --time-budget or both")
+    return args
+
+
+class Clock:
+    """Training seconds since :meth:`start`, not counting the spans run under :meth:`paused`."""
+
+    def __init__(self) -> None:
+        self._start = self._excluded = 0.0
+
+    def start(self) -> None:
+        self._start, self._excluded = time.perf_counter(), 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start - self._excluded
+
+    def exclude(self, seconds: float) -> None:
+        self._excluded += seconds
+
+
+def batches(task: Task, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's shard of the training set, epoch after epoch, as ``DistributedSampler`` deals it."""
+    sampler = DistributedSampler(task.train_set, num_replicas=world, rank=rank, shuffle=True, seed=DATA_SEED,
+                                 drop_last=True)
+    loader = DataLoader(task.train_set, batch_size=task.batch_size, sampler=sampler, drop_last=True)
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def calibrate(task: Task, data: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Seconds of one training step without sync (zero_grad, forward, backward, optimizer step) on a copy of
+    the model: the fastest of a few after one untimed step (the least disturbed by other processes)."""
+    model = task.build_model()
+    optimizer = task.optimizer[0](model.parameters(), **task.optimizer[1])
+    times = []
+    for (x, y), _ in zip(data, range(CALIBRATION_STEPS + 1)):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        task.loss_fn(model(x), y).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def snapshot(model: nn.Module, mode: str) -> dict[str, torch.Tensor]:
+    """A copy of the module's current state (with PoseidonDDP: after every pull landed)."""
+    if mode in POSEIDON_MODES:
+        model.synchronize()
+    module = getattr(model, "module", model)
+    return {name: value.detach().clone() for name, value in module.state_dict().items()}
+
+
+class StopRule:
+    """When to stop: after ``--steps``, or at the step rank 0 publishes once its clock passes the budget."""
+
+    def __init__(self, args: argparse.Namespace, store: dist.Store, rank: int, clock: Clock) -> None:
+        self.steps, self.budget, self.store, self.rank, self.clock = args.steps, args.time_budget, store, rank, clock
+        self.stop_at: int | None = None
+
+    def done(self, steps_done: int) -> bool:
+        if self.steps is not None and steps_done >= self.steps:
+            return True
+        if self.budget is None:
+            return False
+        if self.stop_at is None and self.rank == 0 and self.clock.elapsed() >= self.budget:
+            self.stop_at = steps_done + 1
+            self.store.set("stop_at", str(self.stop_at))
+        if self.stop_at is None and self.store.check(["stop_at"]):
+            self.stop_at = int(self.store.get("stop_at"))
+        return self.stop_at is not None and steps_done >= self.stop_at
+
+
+def train(args: argparse.Namespace, task: Task, straggler: Straggler, store: dist.Store, rank: int,
+          world: int) -> dict:
+    """The training loop of this rank; its raw record (rank 0's includes the snapshots)."""
+    data = batches(task, rank, world)
+    compute_s = calibrate(task, batches(task, rank, world)) if straggler.needs_calibration else 0.0
+    model = wrapper_for(args.mode, args.timeout)(task.build_model())
+    optimizer = make_optimizer(args.mode, model, *task.optimizer)
+    clock, snapshots, step_end_s, losses, pauses = Clock(), [], [], [], []
+    stop = StopRule(args, store, rank, clock)
+
+    def take_snapshot(steps_done: int) -> None:
+        if rank == 0:
+            at, start = clock.elapsed(), time.perf_counter()
+            snapshots.append((steps_done, at, snapshot(model, args.mode)))
+            clock.exclude(time.perf_counter() - start)
+            print(f"progress: step {steps_done}, {at:.1f} s" + (f", train loss {losses[-1]:.3f}" if losses else ""),
+                  flush=True)
+
+    dist.barrier()
+    clock.start()
+    take_snapshot(0)
+    while not stop.done(len(step_end_s)):
+        x, y = next(data)
+        pauses.append(straggler.pause_s(rank, len(step_end_s), compute_s))
+        time.sleep(pauses[-1])
+        optimizer.zero_grad(set_to_none=True)
+        loss = task.loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        step_end_s.append(clock.elapsed())
+        if len(step_end_s) % args.eval_every == 0:
+            take_snapshot(len(step_end_s))
+    if not snapshots or snapshots[-1][0] != len(step_end_s):
+        take_snapshot(len(step_end_s))
+    if args.mode in POSEIDON_MODES:
+        model.close()
+    return {"step_end_s": step_end_s, "train_losses": losses, "pauses_s": pauses, "compute_s": compute_s,
+            "snapshots": snapshots}
+
+
+def evaluate(task: Task, snapshots: list[tuple[int, float, dict]]) -> list[dict]:
+    """Validation metrics of every snapshot, with its step and training time."""
+    model, points = task.build_model(), []
+    for steps_done, at, state in snapshots:
+        model.load_state_dict(state)
+        points.append({"step": steps_done, "time_s": at, **task.evaluate(model)})
+    return points
+
+
+def summarise(args: argparse.Namespace, task: Task, straggler: Straggler, records: list[dict],
+              points: list[dict]) -> dict:
+    steps = [len(r["step_end_s"]) for r in records]
+    train_time = max(r["step_end_s"][-1] if r["step_end_s"] else 0.0 for r in records)
+    return {
+        "mode": args.mode, "task": args.task, "tiny": args.tiny, "world_size": len(records),
+        "batch_per_rank": task.batch_size, "metric": task.metric, "optimizer": task.optimizer[0].__name__,
+        "optimizer_args": task.optimizer[1], "data": task.data, "straggler": straggler.describe(),
+        "steps_by_rank": steps, "train_time_s": train_time,
+        "samples_per_s": sum(steps) * task.batch_size / train_time if train_time else 0.0,
+        "compute_s_by_rank": [r["compute_s"] for r in records],
+        "pause_s_by_rank": [sum(r["pauses_s"]) for r in records],
+        "step_end_s_by_rank": [r["step_end_s"] for r in records],
+        "train_loss_rank0": records[0]["train_losses"], "evals": points,
+    }
+
+
+def init_process_group(timeout: float) -> tuple[dist.Store, int, int]:
+    """The gloo group of RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, on a store this run keeps."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    wait = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, wait)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=wait)
+    return store, rank, world
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    store, rank, world = init_process_group(args.timeout)
+    try:
+        task = TASKS[args.task](args.tiny)
+        straggler = parse_straggler(args.straggler, world)
+        record = train(args, task, straggler, store, rank, world)
+        points = evaluate(task, record.pop("snapshots")) if rank == 0 else []
+        records = [None] * world
+        dist.all_gather_object(records, record)
+        if rank == 0:
+            args.result.write_text(json.dumps(summarise(args, task, straggler, records, points), indent=1))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return worker_main(lambda: run(args), args.timeout, f"{args.mode}/{args.task}")
+
+
+if __name__ == "__main__":
+    exit_worker(main())

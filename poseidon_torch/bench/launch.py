@@ -1,0 +1,230 @@
+"""Launching ranks for the benchmarks: where they run (localhost or an emulated cluster), their
+environment, and waiting for them with a deadline.
+
+Shared by the throughput runner (:mod:`poseidon_torch.bench.__main__`) and the time-to-accuracy runner
+(:mod:`poseidon_torch.bench.accuracy`).
+
+Invariants:
+- Every rank runs in its own process group; :func:`run_ranks` always stops them (SIGTERM, then SIGKILL)
+  on return, failure, exceptions and Ctrl-C; SIGTERM / SIGHUP unwind like Ctrl-C once
+  :func:`install_signal_handlers` ran, so namespaces are deleted by the placement's context manager.
+- A rank that exits non-zero, or a run past its deadline, raises :class:`RankFailure` with the culprit's
+  log tail.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import faulthandler
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NoReturn
+
+from poseidon_torch.bench.netns import HOST_IFACE, EmulatedCluster, NetnsUnavailable, signals_deferred
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_GRACE_S = 60.0
+STOP_GRACE_S = 3.0
+
+
+@dataclass
+class Placement:
+    """Where ranks run: ``kind`` is the mode actually used; ``wrap(host, argv)`` is the command for a host."""
+    kind: str
+    master_addr: str
+    gloo_iface: str
+    wire_iface: str | None
+    wrap: Callable[[int, list[str]], list[str]]
+    latency: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+class RankFailure(RuntimeError):
+    """A rank exited non-zero or the run passed its deadline; ``log_tail`` holds the culprit's last lines."""
+
+    def __init__(self, message: str, log_tail: str) -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP arrived; raised from the handler so that the stack unwinds as with Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, _frame: object) -> None:
+    raise Interrupted(signum)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM / SIGHUP unwind like Ctrl-C does, so every ``finally`` and context manager cleans up."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupted)
+
+
+def localhost_placement() -> Placement:
+    return Placement("localhost", "127.0.0.1", "lo", None, lambda _host, argv: argv)
+
+
+def open_placement(args: argparse.Namespace, stack: contextlib.ExitStack,
+                   host_rates: dict[int, str] | None = None) -> Placement:
+    """The emulated cluster in netns mode (entered on ``stack``; ``host_rates`` shape some hosts' links
+    to other rates than ``args.bandwidth``), else, or if it cannot be built, localhost."""
+    if args.mode == "netns":
+        try:
+            cluster = stack.enter_context(EmulatedCluster(args.hosts, args.bandwidth, args.latency, args.mtu,
+                                                          host_rates=host_rates))
+        except NetnsUnavailable as exc:
+            print(f"netns mode unavailable: {exc}\nFalling back to localhost mode.", file=sys.stderr)
+        else:
+            return Placement("netns", cluster.address(0), HOST_IFACE, HOST_IFACE, cluster.command,
+                             cluster.delay, list(cluster.warnings))
+    return localhost_placement()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def threads_per_rank(hosts: int) -> int:
+    return 1 if hosts > 1 else (os.cpu_count() or 1)
+
+
+def rank_env(placement: Placement, rank: int, world: int, port: int, threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=placement.master_addr, MASTER_PORT=str(port),
+               GLOO_SOCKET_IFNAME=placement.gloo_iface, OMP_NUM_THREADS=str(threads),
+               PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))))
+    return env
+
+
+def _log_tail(log: Path, lines: int = 15) -> str:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _last_line(text: str) -> str:
+    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "(no output)")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every live rank's process group, SIGKILL what is left after a grace period, reap all."""
+    with signals_deferred():
+        live = [p for p in procs if p.poll() is None]
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in live:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float,
+             on_poll: Callable[[], None] | None = None) -> None:
+    """Return when every rank exited 0; raise :class:`RankFailure` at the first failure or at the deadline.
+    ``on_poll`` runs at every poll (e.g. to echo progress from a log)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if on_poll:
+            on_poll()
+        codes = [p.poll() for p in procs]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0):
+                tail = _log_tail(logs[rank])
+                raise RankFailure(f"rank {rank} exited with status {code}: {_last_line(tail)}", tail)
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() > deadline:
+            tail = _log_tail(logs[codes.index(None)])
+            raise RankFailure(f"timed out after {timeout:.0f} s", tail)
+        time.sleep(0.05)
+
+
+def run_ranks(commands: list[list[str]], envs: list[dict[str, str]], logs: list[Path], timeout: float,
+              on_poll: Callable[[], None] | None = None) -> None:
+    """Start one process per rank (own process group, output to its log) and wait for all of them."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for command, env, log in zip(commands, envs, logs):
+            with log.open("w") as out:
+                procs.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        wait_all(procs, logs, timeout, on_poll)
+    finally:
+        stop(procs)
+
+
+def fresh_dir(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+
+
+def run_placed(args: argparse.Namespace, run_all: Callable[[Placement], dict],
+               host_rates: dict[int, str] | None = None) -> dict | int:
+    """Create ``args.out``'s ``runs`` and ``logs``, open the placement and ``run_all`` on it; the report, or
+    the exit status ``128 + signal`` after Ctrl-C / SIGTERM / SIGHUP (workers stopped, namespaces gone)."""
+    install_signal_handlers()
+    for sub in ("runs", "logs"):
+        (args.out / sub).mkdir(parents=True, exist_ok=True)
+    try:
+        with contextlib.ExitStack() as stack:
+            return run_all(open_placement(args, stack, host_rates))
+    except (KeyboardInterrupt, Interrupted) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"interrupted by {signal.Signals(signum).name}; workers stopped, namespaces removed", file=sys.stderr)
+        return 128 + signum
+
+
+def write_report(out: Path, report: dict, plot: Callable[[dict, Path], None], table: Callable[[dict], str]) -> None:
+    """``out/results.json`` and ``out/results.png``; the table on stdout."""
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "results.png")
+    print(table(report))
+    print(f"\nwrote {out / 'results.json'} and {out / 'results.png'}")
+
+
+def worker_main(run: Callable[[], None], timeout: float, label: str) -> int:
+    """A rank's body: ``run()`` under a watchdog that dumps every thread's stack and exits after ``timeout``;
+    0, or 1 with the traceback and a one-line reason naming ``label`` and the rank."""
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        run()
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"worker {label} rank {os.environ.get('RANK', '0')} failed: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 1
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+def exit_worker(status: int) -> NoReturn:
+    """End a rank once its result is written and its groups destroyed, skipping the interpreter's teardown,
+    in which torch's gloo backend now and then aborts ("terminate called without an active exception",
+    seen in compute-only runs too, which use no PoseidonDDP)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,0 +1,164 @@
+"""The time-to-accuracy benchmark (``python -m poseidon_torch.bench.accuracy``) is honest.
+
+- BSP modes compute DDP's gradients, so their validation loss against steps coincides with torch DDP's
+  (same seeds, same data order); a mode that never syncs (``compute-only``) must fail the same check.
+- A persistent straggler's steps really take about ``factor`` times as long; transient pauses follow
+  their seeded draw; a slow link is shaped at its own rate.
+- The command runs end to end on tiny settings (CI smoke): table, figure, results.json, progress lines,
+  and a time budget that stops every rank after the same step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from poseidon_torch.bench.accuracy.report import divergence_from, time_to, value_at
+from poseidon_torch.bench.accuracy.stragglers import Straggler, parse_straggler
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BSP_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-server-lazy")
+#: fp32 noise of a differently ordered gradient sum, after a dozen AdamW steps, is ~1e-7 relative
+BSP_TOLERANCE = 1e-5
+
+
+def run_accuracy(out: Path, *args: str, tiny: bool = True) -> tuple[subprocess.CompletedProcess, dict]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))))
+    command = [sys.executable, "-m", "poseidon_torch.bench.accuracy", "--mode", "localhost", "--hosts", "2",
+               *["--tiny"] * tiny, "--timeout", "120", "--out", str(out), *args]
+    done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    results = out / "results.json"
+    assert results.is_file(), f"no results.json; exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done, json.loads(results.read_text())
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    out = tmp_path_factory.mktemp("accuracy")
+    done, report = run_accuracy(out, "--task", "digits", "--steps", "12", "--eval-every", "3",
+                                "--straggler", "transient:p=0.3,delay=5ms,seed=3",
+                                "--modes", ",".join(("torch-ddp", *BSP_MODES, "compute-only")))
+    return done, report, out
+
+
+def _ok(report: dict, mode: str) -> dict:
+    run = report["modes"][mode]
+    assert "error" not in run, run.get("error", "") + "\n" + run.get("log_tail", "")
+    return run
+
+
+@pytest.mark.parametrize("mode", BSP_MODES)
+def test_bsp_modes_follow_torch_ddp_against_steps(digits_run: tuple, mode: str) -> None:
+    _, report, _ = digits_run
+    ddp, run = _ok(report, "torch-ddp"), _ok(report, mode)
+    assert [p["step"] for p in run["evals"]] == [0, 3, 6, 9, 12]
+    assert run["evals"][-1]["val_loss"] < run["evals"][0]["val_loss"]  # it trained
+    assert divergence_from(ddp["evals"], run["evals"], "val_loss") <= BSP_TOLERANCE
+    assert run["divergence_from_ddp"] <= BSP_TOLERANCE
+    np.testing.assert_allclose(run["train_loss_rank0"], ddp["train_loss_rank0"], rtol=BSP_TOLERANCE)
+
+
+def test_a_run_that_never_syncs_fails_the_parity_check(digits_run: tuple) -> None:
+    _, report, _ = digits_run
+    ddp, alone = _ok(report, "torch-ddp"), _ok(report, "compute-only")
+    assert divergence_from(ddp["evals"], alone["evals"], "val_loss") > 10 * BSP_TOLERANCE
+
+
+def test_transient_pauses_follow_their_seeded_draw(digits_run: tuple) -> None:
+    _, report, _ = digits_run
+    spec = parse_straggler("transient:p=0.3,delay=5ms,seed=3", 2)
+    expected = [sum(spec.pause_s(rank, step, 0.0) for step in range(12)) for rank in range(2)]
+    assert expected[0] + expected[1] > 0  # the draw paused someone: the check below is not 0 == 0
+    for mode in ("torch-ddp", *BSP_MODES):
+        assert _ok(report, mode)["pause_s_by_rank"] == pytest.approx(expected)
+
+
+def test_the_smoke_run_writes_table_figure_and_progress(digits_run: tuple) -> None:
+    done, report, out = digits_run
+    assert done.returncode == 0, done.stderr
+    assert (out / "results.png").stat().st_size > 0
+    assert "| torch-ddp | 12 |" in done.stdout and "s to" in done.stdout
+    assert "[poseidon-ps] step 12" in done.stderr
+    assert report["target"] == _ok(report, "torch-ddp")["evals"][-1]["val_loss"]
+    assert _ok(report, "torch-ddp")["time_to_target_s"] is not None
+    assert report["config"]["straggler_spec"]["kind"] == "transient"
+
+
+def test_a_time_budget_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
+    done, report = run_accuracy(tmp_path, "--task", "lm", "--time-budget", "1.5", "--eval-every", "5",
+                                "--modes", "torch-ddp,poseidon-ps")
+    assert done.returncode == 0, done.stderr
+    for mode in ("torch-ddp", "poseidon-ps"):
+        run = _ok(report, mode)
+        steps = run["steps_by_rank"]
+        assert steps[0] == steps[1] > 1, steps
+        assert run["train_time_s"] >= 1.5
+        assert run["evals"][-1]["step"] == steps[0] and run["evals"][-1]["val_bits_per_byte"] < 8.2
+
+
+def test_a_persistent_straggler_computes_factor_times_slower(tmp_path: Path) -> None:
+    factor = 3.0
+    _, report = run_accuracy(tmp_path, "--task", "digits", "--steps", "16", "--eval-every", "16",
+                             "--straggler", f"persistent:factor={factor},rank=1", "--modes", "compute-only",
+                             tiny=False)
+    run = _ok(report, "compute-only")
+    durations = [np.diff([0.0, *ends])[2:] for ends in run["step_end_s_by_rank"]]  # the first steps warm up
+    ratio = statistics.median(durations[1]) / statistics.median(durations[0])
+    assert 0.7 * factor < ratio < 1.3 * factor, (ratio, run["compute_s_by_rank"])
+    assert run["pause_s_by_rank"][0] == 0 and run["pause_s_by_rank"][1] == pytest.approx(
+        16 * (factor - 1) * run["compute_s_by_rank"][1])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sometimes", "unknown straggler"), ("persistent", "required"), ("persistent:factor=0.5", "factor must be"),
+    ("persistent:factor=2,rank=2", "rank must be in 0..1"), ("transient:p=2,delay=1ms", "probability"),
+    ("transient:p=0.1,delay=fast", "delay must be"), ("slow-link:rate=slow", "bad rate"),
+    ("transient:p=0.1,delay=1ms,color=red", "takes"),
+])
+def test_a_bad_straggler_is_refused_with_the_reason(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_straggler(text, hosts=2)
+
+
+def test_slow_link_needs_an_emulated_cluster(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-m", "poseidon_torch.bench.accuracy", "--steps", "2",
+                           "--straggler", "slow-link:rate=100mbit", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "needs --mode netns" in done.stderr
+
+
+def test_transient_pauses_are_reproducible_and_as_frequent_as_asked() -> None:
+    spec = Straggler("transient", probability=0.1, delay="0.5", seed=7)
+    draws = [spec.pause_s(rank, step, 0.2) for rank in range(2) for step in range(5000)]
+    assert draws == [spec.pause_s(rank, step, 0.2) for rank in range(2) for step in range(5000)]
+    assert set(draws) == {0.0, 0.1}  # half of the 0.2 s step
+    assert abs(draws.count(0.1) / len(draws) - 0.1) < 0.01
+
+
+def test_the_target_counts_at_the_first_point_that_reaches_it() -> None:
+    evals = [{"step": 0, "time_s": 0.0, "m": 3.0}, {"step": 5, "time_s": 2.0, "m": 1.9},
+             {"step": 10, "time_s": 4.0, "m": 2.1}, {"step": 15, "time_s": 6.0, "m": 1.5}]
+    assert time_to(evals, "m", 2.0)["time_s"] == 2.0
+    assert time_to(evals, "m", 1.0) is None
+    assert value_at(evals, "m", 5.0) == 2.1 and value_at(evals, "m", -1.0) is None
+    with pytest.raises(ValueError, match="fewer than two"):
+        divergence_from(evals[:1], evals, "m")
+
+
+def test_a_slow_link_is_shaped_at_its_own_rate() -> None:
+    from poseidon_torch.bench.netns import EmulatedCluster, NetnsUnavailable
+
+    try:
+        with EmulatedCluster(2, "1gbit", host_rates={1: "100mbit"}, prefix="ptt-") as cluster:
+            shown = [subprocess.run(["ip", "netns", "exec", cluster.namespace(h), "tc", "qdisc", "show", "dev", "veth0"],
+                                    capture_output=True, text=True, check=True).stdout for h in range(2)]
+    except NetnsUnavailable as exc:
+        pytest.skip(f"no network namespaces here: {exc}")
+    assert "rate 1Gbit" in shown[0] and "rate 100Mbit" in shown[1], shown
