@@ -34,8 +34,16 @@ def divergence_from(reference: list[dict], evals: list[dict], metric: str) -> fl
     return max(abs(value - ref) / abs(ref) for ref, value in common)
 
 
+def default_target(reference: dict, metric: str, every: int) -> float:
+    """The value torch DDP ends at: its last point on the evaluation grid (steps that are multiples of
+    ``every``), which every mode evaluates; its final point falls on another step in each run when the
+    budget is time, and a loss curve moves between steps."""
+    on_grid = [point for point in reference["evals"] if point["step"] % every == 0]
+    return on_grid[-1][metric]
+
+
 def add_derived(report: dict, target: float | None, budget_s: float | None) -> None:
-    """Target (default: torch DDP's final value), time to it and value at the budget (default: the
+    """Target (default: :func:`default_target`), time to it and value at the budget (default: the
     shortest run's training time), for every mode that ran."""
     runs = {mode: r for mode, r in report["modes"].items() if "error" not in r}
     if not runs:
@@ -43,7 +51,7 @@ def add_derived(report: dict, target: float | None, budget_s: float | None) -> N
     metric = next(iter(runs.values()))["metric"]
     reference = runs.get(REFERENCE_MODE)
     if target is None and reference:
-        target = reference["evals"][-1][metric]
+        target = default_target(reference, metric, report["config"]["eval_every"])
     if budget_s is None:
         budget_s = min(r["train_time_s"] for r in runs.values())
     report.update(metric=metric, target=target, budget_s=budget_s)
