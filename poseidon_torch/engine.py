@@ -205,6 +205,8 @@ class Engine:
         self.buckets = buckets
         self._slot = {id(p): (b, j) for b in buckets for j, p in enumerate(b.params)}
         self._fc_bucket = {b.fc.name: b for b in buckets if b.fc is not None}
+        for name, layer in self.fc.items():
+            layer.watching = name in self._fc_bucket
         self.coordinator.buckets_changed(set(self._fc_bucket), self._learned)
         self._ps.prepare(buckets)
         self._syncing_at_end.reset()

@@ -249,6 +249,11 @@ class FCLayer:
         self.params = [p for p in (self.weight, self.bias) if p is not None]
         self.m, self.n = spec.out_features(module), spec.in_features(module)
         self.commit = False  #: detach this round's calls (the plan chose SFB)
+        #: alone in its bucket, so the plan may choose SFB for it: its calls are watched (K, sticky facts)
+        #: and may be detached. A layer fused with others cannot take SFB until a rebuild leaves it alone,
+        #: and its hooks return at once (watching costs ~40 us per call in Python); it is watched for at
+        #: least one pass before the plan can commit it
+        self.watching = True
         self.k_round = 0     #: rows of this round's calls inside the wrapper's synced forwards
         self.sticky = 0      #: facts that keep the layer off SFB, see CREATE_GRAPH and friends
         self.on_factors: Callable[[FCLayer, Tensor], None] | None = None
@@ -288,7 +293,8 @@ class FCLayer:
     # ---- forward hooks ------------------------------------------------------------------------
 
     def _before_call(self, module: nn.Module, args: tuple) -> None:
-        if torch.compiler.is_compiling():  # traced into a compiled graph: no capture, no graph break
+        # not a candidate, or traced into a compiled graph (no capture, no graph break)
+        if not self.watching or torch.compiler.is_compiling():
             return
         state = None
         if torch.is_grad_enabled() and self.weight.requires_grad:
@@ -306,7 +312,7 @@ class FCLayer:
         self._calls.append(state)
 
     def _after_call(self, module: nn.Module, args: tuple, output: object) -> Tensor | None:
-        if torch.compiler.is_compiling():
+        if not self.watching or torch.compiler.is_compiling():
             return None
         detached = self._calls.pop() if self._calls else None
         if detached:

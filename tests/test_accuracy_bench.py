@@ -103,16 +103,22 @@ def test_a_time_budget_stops_every_rank_after_the_same_step(tmp_path: Path) -> N
 
 
 def test_a_persistent_straggler_computes_factor_times_slower(tmp_path: Path) -> None:
+    """Host 1 computes 3x slower: each of its steps takes (3 - 1) x its step compute longer than host 0's.
+
+    Asserted on the added time, not on the ratio: on a loaded machine both hosts' compute slows alike while
+    the pause does not, so the ratio shrinks for reasons that are not the straggler's."""
     factor = 3.0
-    _, report = run_accuracy(tmp_path, "--task", "digits", "--steps", "16", "--eval-every", "16",
+    _, report = run_accuracy(tmp_path, "--task", "lm", "--steps", "12", "--eval-every", "12",
                              "--straggler", f"persistent:factor={factor},rank=1", "--modes", "compute-only",
                              tiny=False)
     run = _ok(report, "compute-only")
-    durations = [np.diff([0.0, *ends])[2:] for ends in run["step_end_s_by_rank"]]  # the first steps warm up
-    ratio = statistics.median(durations[1]) / statistics.median(durations[0])
-    assert 0.7 * factor < ratio < 1.3 * factor, (ratio, run["compute_s_by_rank"])
-    assert run["pause_s_by_rank"][0] == 0 and run["pause_s_by_rank"][1] == pytest.approx(
-        16 * (factor - 1) * run["compute_s_by_rank"][1])
+    step = [statistics.median(np.diff([0.0, *ends])[2:]) for ends in run["step_end_s_by_rank"]]  # skip warm-up
+    compute = run["compute_s_by_rank"][1]
+    assert 0.3 < compute / step[0] < 1.5, (compute, step)  # the calibration measured a real step
+    added = step[1] - step[0]  # the upper bound is loose: another process may slow one host's compute more
+    assert 0.8 * (factor - 1) * compute < added < 1.6 * (factor - 1) * compute + 0.02, (added, compute, step)
+    assert run["pause_s_by_rank"][0] == 0
+    assert run["pause_s_by_rank"][1] == pytest.approx(12 * (factor - 1) * compute)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -126,3 +126,11 @@ def test_the_first_rebuild_ignores_how_slow_the_first_jobs_were(cluster):
     slow = cluster.run(workers.buckets_learned_after_cold_jobs, 2e-5, timeout=60)
     assert fast == slow, (fast, slow)
     assert len(fast[0]) == 2, fast[0]  # by the link model: the fp32 layers fuse, the fp64 one apart
+
+
+def test_fc_layers_fused_with_others_are_not_watched(cluster):
+    """Issue 20: an FC layer that shares its bucket cannot take SFB, so its calls are not watched (the
+    capture hooks cost ~40 us per call in Python); a layer alone in its bucket is watched and committed."""
+    for seen in cluster.run(workers.fc_layers_watched_after_learning, timeout=60):
+        assert seen["0"] == (False, 0, False) and seen["1"] == (False, 0, False), seen
+        assert seen["3"] == (True, 5, True), seen

@@ -744,3 +744,17 @@ def buckets_learned_after_cold_jobs(rank: int, world_size: int, cold_seconds_per
     names = wrapped.bucket_names
     wrapped.close()
     return names
+
+
+def fc_layers_watched_after_learning(rank: int, world_size: int) -> dict[str, tuple[bool, int, bool]]:
+    """Three small FC layers, the last forced onto SFB: after the buckets are learned, each layer's
+    (watched, rows seen in the last round, committed to SFB)."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(2)), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    wrapped = PoseidonDDP(model, timeout=60, hybrid=True, engine="python", overrides={"3": "SFB"})
+    for step in range(3):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        wrapped.module.zero_grad()
+        wrapped(torch.randn(5, 8, generator=g)).square().mean().backward()
+    seen = {name: (layer.watching, layer.k_round, layer.commit) for name, layer in wrapped.engine.fc.items()}
+    wrapped.close()
+    return seen
