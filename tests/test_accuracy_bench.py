@@ -109,9 +109,10 @@ def test_a_persistent_straggler_computes_factor_times_slower(tmp_path: Path) -> 
     the pause does not, so the ratio shrinks for reasons that are not the straggler's."""
     factor = 3.0
     _, report = run_accuracy(tmp_path, "--task", "lm", "--steps", "12", "--eval-every", "12",
-                             "--straggler", f"persistent:factor={factor},rank=1", "--modes", "compute-only",
+                             "--straggler", f"persistent:factor={factor},rank=1", "--modes", "compute-only,torch-ddp",
                              tiny=False)
     run = _ok(report, "compute-only")
+    assert _ok(report, "torch-ddp")["compute_s_by_rank"] == run["compute_s_by_rank"]  # one straggler for all modes
     step = [statistics.median(np.diff([0.0, *ends])[2:]) for ends in run["step_end_s_by_rank"]]  # skip warm-up
     compute = run["compute_s_by_rank"][1]
     assert 0.3 < compute / step[0] < 1.5, (compute, step)  # the calibration measured a real step
@@ -125,19 +126,47 @@ def test_a_persistent_straggler_computes_factor_times_slower(tmp_path: Path) -> 
     ("sometimes", "unknown straggler"), ("persistent", "required"), ("persistent:factor=0.5", "factor must be"),
     ("persistent:factor=2,rank=2", "rank must be in 0..1"), ("transient:p=2,delay=1ms", "probability"),
     ("transient:p=0.1,delay=fast", "delay must be"), ("slow-link:rate=slow", "bad rate"),
-    ("transient:p=0.1,delay=1ms,color=red", "takes"),
+    ("transient:p=0.1,delay=1ms,color=red", "takes"), ("persistent:factor=nan", "factor must be"),
+    ("persistent:factor=inf", "factor must be"), ("slow-link:rate=0bit", "rate must be above 0"),
+    ("persistent:factor=2,factor=3", "names a field twice"),
 ])
 def test_a_bad_straggler_is_refused_with_the_reason(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_straggler(text, hosts=2)
 
 
-def test_slow_link_needs_an_emulated_cluster(tmp_path: Path) -> None:
+@pytest.mark.parametrize("args, message", [
+    (("--straggler", "slow-link:rate=100mbit"), "needs --mode netns"),
+    (("--modes", "torch-ddp,torch-ddp"), "names a mode twice"),
+    (("--time-budget", "-1"), "positive seconds"), (("--timeout", "0"), "positive seconds"),
+    (("--target", "nan"), "must be numbers"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: tuple, message: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    done = subprocess.run([sys.executable, "-m", "poseidon_torch.bench.accuracy", "--steps", "2",
-                           "--straggler", "slow-link:rate=100mbit", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "needs --mode netns" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "poseidon_torch.bench.accuracy", "--steps", "2", *args,
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_rank_past_its_timeout_is_named_as_such(tmp_path: Path) -> None:
+    done, report = run_accuracy(tmp_path, "--task", "lm", "--steps", "100000", "--timeout", "3",
+                                "--modes", "torch-ddp")
+    assert done.returncode == 1
+    assert "ran past its --timeout" in report["modes"]["torch-ddp"]["error"], report["modes"]["torch-ddp"]["error"]
+
+
+def test_the_default_target_of_a_run_shorter_than_the_grid_is_its_final_point(tmp_path: Path) -> None:
+    _, report = run_accuracy(tmp_path, "--task", "digits", "--steps", "3", "--eval-every", "20",
+                             "--modes", "torch-ddp,poseidon-ps")
+    ddp = _ok(report, "torch-ddp")
+    assert [p["step"] for p in ddp["evals"]] == [0, 3]
+    assert report["target"] == ddp["evals"][-1]["val_loss"] < ddp["evals"][0]["val_loss"]
+    assert report["budget_s"] == min(_ok(report, m)["train_time_s"] for m in ("torch-ddp", "poseidon-ps"))
+    for mode in ("torch-ddp", "poseidon-ps"):  # a run's final point counts at its own training time
+        run = _ok(report, mode)
+        assert run["evals"][-1]["time_s"] == run["train_time_s"]
+    assert _ok(report, "poseidon-ps")["time_to_target_s"] == _ok(report, "poseidon-ps")["train_time_s"]
 
 
 def test_transient_pauses_are_reproducible_and_as_frequent_as_asked() -> None:

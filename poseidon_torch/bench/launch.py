@@ -112,13 +112,22 @@ def rank_env(placement: Placement, rank: int, world: int, port: int, threads: in
     return env
 
 
+def _log_text(log: Path) -> str:
+    return log.read_text(errors="replace") if log.exists() else ""
+
+
 def _log_tail(log: Path, lines: int = 15) -> str:
-    text = log.read_text(errors="replace") if log.exists() else ""
-    return "\n".join(text.splitlines()[-lines:])
+    return "\n".join(_log_text(log).splitlines()[-lines:])
 
 
-def _last_line(text: str) -> str:
-    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "(no output)")
+def _reason(log: Path) -> str:
+    """Why a rank failed, from its log: the watchdog's ``Timeout (h:mm:ss)!`` line if it fired (the
+    stack dump after it ends in runpy's frames), else the last non-empty line."""
+    lines = [line.strip() for line in _log_text(log).splitlines() if line.strip()]
+    timeout = next((line for line in lines if line.startswith("Timeout (")), None)
+    if timeout:
+        return f"{timeout} the rank ran past its --timeout"
+    return lines[-1] if lines else "(no output)"
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -149,8 +158,8 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float,
         codes = [p.poll() for p in procs]
         for rank, code in enumerate(codes):
             if code not in (None, 0):
-                tail = _log_tail(logs[rank])
-                raise RankFailure(f"rank {rank} exited with status {code}: {_last_line(tail)}", tail)
+                raise RankFailure(f"rank {rank} exited with status {code}: {_reason(logs[rank])}",
+                                  _log_tail(logs[rank]))
         if all(code == 0 for code in codes):
             return
         if time.monotonic() > deadline:
@@ -188,6 +197,7 @@ def run_placed(args: argparse.Namespace, run_all: Callable[[Placement], dict],
     install_signal_handlers()
     for sub in ("runs", "logs"):
         (args.out / sub).mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").unlink(missing_ok=True)  # an earlier run's must not pass for this one's
     try:
         with contextlib.ExitStack() as stack:
             return run_all(open_placement(args, stack, host_rates))

@@ -10,7 +10,8 @@ Each mode runs after the other (one worker process per host, :mod:`~poseidon_tor
 from the same initial weights and the same data order. The run writes ``DIR/results.json`` (every
 evaluated point of every mode, the configuration, the derived numbers), ``DIR/results.png`` (validation
 metric against training seconds and against steps) and prints a table: steps, training seconds,
-samples/s, the final metric, seconds to the target (``--target``; default: the value torch DDP ends at)
+samples/s, the final metric, seconds to the target (``--target``; default: torch DDP's last value on the
+evaluation grid)
 and the metric at a time budget (``--budget``; default: the shortest run's training time). A progress
 line per evaluation point is echoed while a mode runs; rank logs go to ``DIR/logs``.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -52,7 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--straggler", default="none",
                         help="none | persistent:factor=F[,rank=R] | transient:p=P,delay=D[,seed=S] | "
                              "slow-link:rate=RATE[,rank=R] (D: 50ms, or a fraction of a step's compute)")
-    parser.add_argument("--target", type=float, help="target value of the metric (default: torch DDP's final one)")
+    parser.add_argument("--target", type=float,
+                        help="target value of the metric (default: torch DDP's last value on the evaluation grid)")
     parser.add_argument("--budget", type=float, help="report the metric at this many training seconds "
                                                      "(default: the shortest run's)")
     parser.add_argument("--tiny", action="store_true", help="shrunken models (smoke tests)")
@@ -66,6 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("give --steps, --time-budget or both")
     if args.hosts < 1 or args.eval_every < 1 or (args.steps is not None and args.steps < 1):
         parser.error("--hosts, --eval-every and --steps must be >= 1")
+    if len(set(args.modes)) != len(args.modes):
+        parser.error("--modes names a mode twice")
+    if not all(math.isfinite(v) and v > 0 for v in (args.timeout, args.time_budget or 1.0)):
+        parser.error("--timeout and --time-budget must be positive seconds")
+    if not all(v is None or math.isfinite(v) for v in (args.target, args.budget)):
+        parser.error("--target and --budget must be numbers")
     try:
         parse_rate(args.bandwidth)
         args.latency = parse_delay(args.latency) if args.latency else None
@@ -93,21 +102,23 @@ class ProgressEcho:
         self.seen = len(lines)
 
 
-def worker_argv(args: argparse.Namespace, mode: str, result: Path, threads: int) -> list[str]:
+def worker_argv(args: argparse.Namespace, mode: str, result: Path, threads: int,
+                compute_s: list[float] | None) -> list[str]:
     argv = [sys.executable, "-m", "poseidon_torch.bench.accuracy.worker", "--task", args.task, "--mode", mode,
             "--eval-every", str(args.eval_every), "--straggler", args.straggler, "--threads", str(threads),
             "--timeout", str(args.timeout), "--result", str(result)]
+    argv += ["--compute-s", ",".join(map(repr, compute_s))] if compute_s else []
     argv += ["--steps", str(args.steps)] if args.steps is not None else []
     argv += ["--time-budget", str(args.time_budget)] if args.time_budget is not None else []
     return argv + ["--tiny"] * args.tiny
 
 
-def run_mode(args: argparse.Namespace, placement: Placement, mode: str) -> dict:
-    """One mode's result, or ``{"error", "log_tail"}``."""
+def run_mode(args: argparse.Namespace, placement: Placement, mode: str, compute_s: list[float] | None) -> dict:
+    """One mode's result, or ``{"error", "log_tail"}``; ``compute_s``: the straggler's calibration."""
     result = args.out / "runs" / f"{mode}.json"
     result.unlink(missing_ok=True)
     threads = threads_per_rank(args.hosts)
-    argv = worker_argv(args, mode, result, threads)
+    argv = worker_argv(args, mode, result, threads, compute_s)
     port = free_port()
     logs = [args.out / "logs" / f"{mode}-rank{rank}.log" for rank in range(args.hosts)]
     try:
@@ -132,11 +143,16 @@ def run_all(args: argparse.Namespace, placement: Placement) -> dict:
     if args.straggler_spec.kind == "slow-link" and placement.kind != "netns":
         raise RuntimeError("a slow-link straggler needs the emulated cluster, which could not be built")
     report = {"config": config(args, placement), "modes": {}}
+    for warning in placement.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    calibration = None  # the first mode's, handed to the others: every mode gets the same straggler
     for mode in args.modes:
         print(f"[{mode}] ...", file=sys.stderr, flush=True)
-        report["modes"][mode] = run_mode(args, placement, mode)
-        if "error" in report["modes"][mode]:
-            print(f"[{mode}] FAILED: {report['modes'][mode]['error']}", file=sys.stderr)
+        run = report["modes"][mode] = run_mode(args, placement, mode, calibration)
+        if "error" in run:
+            print(f"[{mode}] FAILED: {run['error']}", file=sys.stderr)
+        elif calibration is None and args.straggler_spec.needs_calibration:
+            calibration = run["compute_s_by_rank"]
     add_derived(report, args.target, args.budget)
     return report
 

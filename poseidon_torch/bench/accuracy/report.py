@@ -37,9 +37,10 @@ def divergence_from(reference: list[dict], evals: list[dict], metric: str) -> fl
 def default_target(reference: dict, metric: str, every: int) -> float:
     """The value torch DDP ends at: its last point on the evaluation grid (steps that are multiples of
     ``every``), which every mode evaluates; its final point falls on another step in each run when the
-    budget is time, and a loss curve moves between steps."""
-    on_grid = [point for point in reference["evals"] if point["step"] % every == 0]
-    return on_grid[-1][metric]
+    budget is time, and a loss curve moves between steps. A run that ended before the grid's first
+    step after 0: its final point."""
+    on_grid = [point for point in reference["evals"] if point["step"] % every == 0 and point["step"] > 0]
+    return (on_grid or reference["evals"])[-1][metric]  # a run shorter than the grid: its final point
 
 
 def add_derived(report: dict, target: float | None, budget_s: float | None) -> None:
@@ -73,8 +74,8 @@ def _fmt(value: float | None, spec: str) -> str:
 def table(report: dict) -> str:
     """Markdown: one row per mode."""
     metric, budget = report.get("metric", "metric"), report.get("budget_s")
-    lines = [f"| mode | steps | train s | samples/s | final {metric} | s to {_fmt(report.get('target'), '.3f')} "
-             f"| {metric} at {_fmt(budget, '.0f')} s | vs DDP by step | extra |", "|---" * 9 + "|"]
+    lines = [f"| mode | steps | train s | samples/s | final {metric} | s to {_fmt(report.get('target'), '.4g')} "
+             f"| {metric} at {_fmt(budget, '.1f')} s | vs DDP by step | extra |", "|---" * 9 + "|"]
     for mode, run in report["modes"].items():
         if "error" in run:
             lines.append(f"| {mode} | failed: {run['error']} | | | | | | | |")

@@ -20,6 +20,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -73,7 +74,10 @@ def parse_straggler(text: str, hosts: int) -> Straggler:
     kind, _, rest = text.strip().partition(":")
     if kind not in KINDS:
         raise ValueError(f"unknown straggler {kind!r}: expected one of {', '.join(KINDS)}")
-    fields = dict(item.split("=", 1) if "=" in item else (item, "") for item in rest.split(",") if item)
+    items = [item.split("=", 1) if "=" in item else (item, "") for item in rest.split(",") if item]
+    fields = dict(items)
+    if len(fields) != len(items):
+        raise ValueError(f"straggler {text!r} names a field twice")
     allowed = {"none": set(), "persistent": {"factor", "rank"}, "transient": {"p", "delay", "seed"},
                "slow-link": {"rate", "rank"}}[kind]
     required = {"none": set(), "persistent": {"factor"}, "transient": {"p", "delay"}, "slow-link": {"rate"}}[kind]
@@ -94,11 +98,11 @@ def parse_straggler(text: str, hosts: int) -> Straggler:
 def _check(straggler: Straggler, hosts: int, text: str) -> None:
     if straggler.rank is not None and not 0 <= straggler.rank < hosts:
         raise ValueError(f"straggler {text!r}: rank must be in 0..{hosts - 1}")
-    if straggler.kind == "persistent" and straggler.factor < 1.0:
-        raise ValueError(f"straggler {text!r}: factor must be >= 1 (how many times slower)")
+    if straggler.kind == "persistent" and not 1.0 <= straggler.factor < math.inf:
+        raise ValueError(f"straggler {text!r}: factor must be a number >= 1 (how many times slower)")
     if not 0.0 <= straggler.probability <= 1.0:
         raise ValueError(f"straggler {text!r}: p must be a probability in [0, 1]")
     if not _DURATION.fullmatch(straggler.delay):
         raise ValueError(f"straggler {text!r}: delay must be e.g. 50ms, 0.05s, or 0.5 (of a step's compute)")
-    if straggler.rate is not None:
-        parse_rate(straggler.rate)
+    if straggler.rate is not None and parse_rate(straggler.rate) <= 0:
+        raise ValueError(f"straggler {text!r}: rate must be above 0")

@@ -14,10 +14,13 @@ Invariants:
 - A step is: straggler pause, zero_grad, forward, loss, backward, optimizer step. Each rank reads its own
   shard through a ``DistributedSampler`` (seeded, ``set_epoch`` every epoch), so every mode sees the same
   data in the same order.
-- The training clock starts after a barrier and excludes snapshotting: at step 0, every ``--eval-every``
+- The training clock starts after a barrier; times are rank 0's clock. At step 0, every ``--eval-every``
   steps and at the end, rank 0 waits for its parameters to be current (``PoseidonDDP.synchronize()``:
-  lazy pulls land) and copies its module's ``state_dict``; the copy's time is not counted. Validation runs
-  after training, on rank 0, on those copies, so it costs the training nothing.
+  lazy pulls land; counted, as the next forward would have waited for them) and copies its module's
+  ``state_dict`` (not counted on rank 0's clock; another rank of a synchronous mode may wait for it at
+  its next sync). Validation runs after training, on rank 0, on those copies; ``--timeout`` covers it.
+- ``--compute-s``: the straggler's calibration taken from an earlier mode of the run, so every mode
+  gets the same straggler; without it the rank calibrates.
 - ``--time-budget``: when rank 0's clock passes it after ``n`` steps, it publishes ``stop = n + 1`` in the
   run's store and every rank stops after step ``stop`` (all ranks run the same number of steps; a rank of
   a synchronous mode is never more than one step ahead of another).
@@ -56,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--time-budget", type=float, help="seconds of training on rank 0's clock")
     parser.add_argument("--eval-every", type=int, required=True, help="snapshot every this many steps")
     parser.add_argument("--straggler", default="none")
+    parser.add_argument("--compute-s", type=lambda text: [float(x) for x in text.split(",")],
+                        help="each rank's calibrated step seconds (from an earlier mode of the run), comma-separated")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -109,10 +114,8 @@ def calibrate(task: Task, data: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> 
     return min(times[1:])
 
 
-def snapshot(model: nn.Module, mode: str) -> dict[str, torch.Tensor]:
-    """A copy of the module's current state (with PoseidonDDP: after every pull landed)."""
-    if mode in POSEIDON_MODES:
-        model.synchronize()
+def copy_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the (wrapped) module's current parameters and buffers."""
     module = getattr(model, "module", model)
     return {name: value.detach().clone() for name, value in module.state_dict().items()}
 
@@ -141,7 +144,10 @@ def train(args: argparse.Namespace, task: Task, straggler: Straggler, store: dis
           world: int) -> dict:
     """The training loop of this rank; its raw record (rank 0's includes the snapshots)."""
     data = batches(task, rank, world)
-    compute_s = calibrate(task, batches(task, rank, world)) if straggler.needs_calibration else 0.0
+    if args.compute_s:
+        compute_s = args.compute_s[rank]
+    else:
+        compute_s = calibrate(task, batches(task, rank, world)) if straggler.needs_calibration else 0.0
     model = wrapper_for(args.mode, args.timeout)(task.build_model())
     optimizer = make_optimizer(args.mode, model, *task.optimizer)
     clock, snapshots, step_end_s, losses, pauses = Clock(), [], [], [], []
@@ -149,8 +155,10 @@ def train(args: argparse.Namespace, task: Task, straggler: Straggler, store: dis
 
     def take_snapshot(steps_done: int) -> None:
         if rank == 0:
+            if args.mode in POSEIDON_MODES:
+                model.synchronize()  # lazy pulls land: training time (the next forward would wait for them)
             at, start = clock.elapsed(), time.perf_counter()
-            snapshots.append((steps_done, at, snapshot(model, args.mode)))
+            snapshots.append((steps_done, at, copy_state(model)))
             clock.exclude(time.perf_counter() - start)
             print(f"progress: step {steps_done}, {at:.1f} s" + (f", train loss {losses[-1]:.3f}" if losses else ""),
                   flush=True)
@@ -190,7 +198,7 @@ def evaluate(task: Task, snapshots: list[tuple[int, float, dict]]) -> list[dict]
 def summarise(args: argparse.Namespace, task: Task, straggler: Straggler, records: list[dict],
               points: list[dict]) -> dict:
     steps = [len(r["step_end_s"]) for r in records]
-    train_time = max(r["step_end_s"][-1] if r["step_end_s"] else 0.0 for r in records)
+    train_time = points[-1]["time_s"]  # rank 0's clock, as every point's (its last step is done by then)
     return {
         "mode": args.mode, "task": args.task, "tiny": args.tiny, "world_size": len(records),
         "batch_per_rank": task.batch_size, "metric": task.metric, "optimizer": task.optimizer[0].__name__,
