@@ -10,9 +10,10 @@ Links use jumbo frames (``mtu``, default 9000): with 1500-byte frames the per-pa
 bridge + tbf caps a flow at ~1.6 Gbit/s on a 2-core machine, far below a 10gbit rate; at 9000 a flow
 reaches ~9.9 Gbit/s there.
 
-Shaping, per host link and per direction (``host_rates`` gives chosen hosts another rate: a slow link): a ``tbf`` at the egress of the host-side ``veth0`` (host ->
+Shaping, per host link and per direction: a ``tbf`` at the egress of the host-side ``veth0`` (host ->
 switch) and at the egress of the switch-side ``pI`` (switch -> host), so every host can send and receive
-at most ``rate`` at once, as with a full-duplex NIC on a non-blocking switch. ``burst`` is 1 ms of
+at most ``rate`` at once, as with a full-duplex NIC on a non-blocking switch (``host_rates`` gives chosen
+hosts another rate: a slow link). ``burst`` is 1 ms of
 traffic at ``rate`` (at least 128 KiB, above a 64 KiB GSO packet), ``limit`` (the queue) 10 ms at ``rate``.
 An optional one-way ``delay`` is a ``netem`` qdisc at the host-side egress (parent of that ``tbf``), so a
 host-to-host round trip takes twice ``delay``; on a kernel without ``sch_netem`` the delay is dropped,
