@@ -34,6 +34,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .compat import DDPArguments
 from .compiled import DDP_SPLIT_BYTES, SplitAt, splitting_compiled_graphs
+from .consistency import check_delay, consistency_for
 from .coordinator import Plan
 from .core import native_status
 from .engine import CommStats, Engine
@@ -78,6 +79,7 @@ class Options:
     link: LinkModel | None
     trace: TraceConfig | None
     engine: str
+    delay: int = 0
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -105,6 +107,7 @@ class Options:
             expect(name, isinstance(getattr(self, name), bool), "True or False")
         expect("link", self.link is None or isinstance(self.link, LinkModel), "a LinkModel or None")
         expect("engine", isinstance(self.engine, str), "a string")
+        check_delay(self.delay)
 
 
 class PoseidonDDP(nn.Module, Joinable):
@@ -135,6 +138,10 @@ class PoseidonDDP(nn.Module, Joinable):
         trace_dir, trace_skip, trace_iters: switch the tracer on (see ``poseidon_torch.trace``).
         engine: ``"native"`` (default, or ``POSEIDON_ENGINE``): the C++ core for CPU tensors where it
             is built, else the Python one; ``"python"``: the Python reference core.
+        delay: Pipe-SGD's k (default 0: BSP). With k >= 1 a synced ``backward()`` returns without
+            waiting for its sync, which runs on during the next steps; ``.grad`` then holds the average
+            over the ranks of the gradients of k steps earlier (None for the first k steps: torch's
+            optimizers skip those). See ``consistency.py`` and the README's Pipe-SGD section.
     """
 
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
@@ -149,7 +156,7 @@ class PoseidonDDP(nn.Module, Joinable):
                  fusion_bytes: int | None = None, num_channels: int | None = None, timeout: float = 300.0,
                  hybrid: bool = True, overrides: dict[str, str] | None = None, link: LinkModel | None = None,
                  trace_dir: str | None = None, trace_skip: int | None = None, trace_iters: int | None = None,
-                 engine: str | None = None) -> None:
+                 engine: str | None = None, delay: int = 0) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
         if not dist.is_initialized():
@@ -172,7 +179,7 @@ class PoseidonDDP(nn.Module, Joinable):
             timeout=timeout, broadcast_buffers=ddp.buffers_follow_rank0, init_sync=init_sync, hybrid=hybrid,
             overrides=tuple(sorted((overrides or {}).items())), link=link,
             trace=TraceConfig.resolve(trace_dir, trace_skip, trace_iters),
-            engine=option(engine, "ENGINE", str, "native"))
+            engine=option(engine, "ENGINE", str, "native"), delay=delay)
         self._group = ddp.group or dist.group.WORLD
         self._group_ranks = dist.get_process_group_ranks(self._group)
         if dist.get_rank() not in self._group_ranks:
@@ -210,7 +217,8 @@ class PoseidonDDP(nn.Module, Joinable):
         self._engine = Engine(self.module, groups=self._groups, chunk_bytes=options.chunk_bytes,
                               fusion_bytes=options.fusion_bytes, timeout=options.timeout, staged=self._staged,
                               recorder=self.recorder, hybrid=options.hybrid, link=link, gemm_flops=gemm,
-                              overrides=dict(options.overrides), native=native)
+                              overrides=dict(options.overrides), native=native,
+                              consistency=consistency_for(options.delay))
         self._announce(device)
         _WRAPPED[self.module] = weakref.ref(self)
 
@@ -331,7 +339,7 @@ class PoseidonDDP(nn.Module, Joinable):
     @torch.compiler.disable
     def _leave_forward(self, step: _Forward, output: Any) -> Any:
         engine = step.engine
-        if engine.server is not None:  # the last step's values not read by this forward, and its close
+        if engine.defers_passes:  # the last step's sync (values not read by this forward), and its close
             engine.settle(output) if step.synced else engine.drain(output)
         if step.synced:
             engine.arm(output)
@@ -368,6 +376,9 @@ class PoseidonDDP(nn.Module, Joinable):
             raise RuntimeError("ServerOptimizer needs a started PoseidonDDP (not closed, not an unbound copy)")
         if self._join_config.enable:
             raise RuntimeError("ServerOptimizer cannot be used inside join() (uneven inputs) yet")
+        if self.options.delay:
+            raise RuntimeError(f"PoseidonDDP(delay={self.options.delay}) delays the averaged gradients of the "
+                               "default mode; a ServerOptimizer on it is not supported yet")
         self._engine.attach_server(optimizer)
 
     def synchronize(self) -> None:
@@ -375,6 +386,26 @@ class PoseidonDDP(nn.Module, Joinable):
         forward and ``ServerOptimizer.step()`` do it already; the parameters' ``state_dict`` too)."""
         if self._engine is not None:
             self._engine.settle()
+
+    def consistency_state_dict(self) -> dict:
+        """What a checkpoint must carry besides the model and the optimizer to resume the same
+        trajectory: with ``delay=k``, the averaged gradients still in flight. Collective (call it on
+        every rank, as ``ZeroRedundancyOptimizer.consolidate_state_dict``): it waits for the last sync."""
+        engine = self._started_engine("consistency_state_dict()")
+        engine.settle()
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        return engine.consistency.state_dict(names)
+
+    def load_consistency_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`consistency_state_dict` saved (before the first step of the resumed run)."""
+        engine = self._started_engine("load_consistency_state_dict()")
+        engine.settle()
+        engine.consistency.load_state_dict(state, dict(self.module.named_parameters()))
+
+    def _started_engine(self, what: str) -> Engine:
+        if self._engine is None:
+            raise RuntimeError(f"{what} needs a started PoseidonDDP (not closed, not an unbound copy)")
+        return self._engine
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -405,6 +436,9 @@ class PoseidonDDP(nn.Module, Joinable):
             raise ValueError("PoseidonDDP.join supports divide_by_initial_world_size=True only")
         if self._engine is not None and self._engine.server is not None:
             raise RuntimeError("join() (uneven inputs) is not supported with a ServerOptimizer yet")
+        if self.options.delay:
+            raise RuntimeError(f"join() (uneven inputs) is not supported with delay={self.options.delay} (Pipe-SGD) "
+                               "yet: give every rank the same number of batches (DistributedSampler(drop_last=True))")
         return Join([self], enable, throw_on_early_termination)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:

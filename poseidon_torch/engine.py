@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .barrier import SyncError
+from .consistency import BSP, Delayed, GradWriter, LiveGrads
 from .bucket import Bucket, JobCost, Layer, build_buckets, find_layers, group_layers, readiness_order
 from .coordinator import PS, SFB, Coordinator, PassFacts
 from .core import NativeCore, PythonCore, raise_outcome
@@ -134,8 +135,11 @@ class Engine:
 
     def __init__(self, module: nn.Module, *, groups: Groups, chunk_bytes: int, fusion_bytes: int,
                  timeout: float, staged: bool, recorder: Recorder, hybrid: bool, link: LinkModel,
-                 gemm_flops: float | None, overrides: dict[str, str] | None, native: bool) -> None:
+                 gemm_flops: float | None, overrides: dict[str, str] | None, native: bool,
+                 consistency: BSP | Delayed | None = None) -> None:
         self.rank, self.world_size = groups.control.rank, groups.control.size
+        #: when a pass's averages become visible (BSP, or Pipe-SGD's delay): ``consistency.py``
+        self.consistency = consistency or BSP()
         self.timeout, self.staged, self.recorder = timeout, staged, recorder
         self.fusion_bytes, self.link = fusion_bytes, link
         self._control = groups.control
@@ -144,6 +148,7 @@ class Engine:
         self._lock = threading.Lock()
         self._module = module
         self._server_hooks: list = []
+        self._live = LiveGrads(lambda bucket: self.core.scatter(bucket))
         self.layers = find_layers(module)
         self.params = [p for layer in self.layers for _, p in layer.params]
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -239,6 +244,11 @@ class Engine:
             return plan_channels(buckets, channels, tail)
         return plan_channels(buckets, channels)
 
+    @property
+    def defers_passes(self) -> bool:
+        """A synced backward may return before its sync is done (parameter-server mode, Pipe-SGD)."""
+        return self.server is not None or self.consistency.defers
+
     # ---- the training thread: forward ----------------------------------------------------------------
 
     def in_forward(self) -> bool:
@@ -289,6 +299,8 @@ class Engine:
     # ---- autograd side: events ---------------------------------------------------------------------
 
     def _armed_by(self, round_: Round | None) -> None:
+        if self._deferred is not None and self.server is None:
+            self.settle()  # a second synced backward of one forward: the first one's averages first
         if self._deferred is not None:
             raise RuntimeError("PoseidonDDP with a ServerOptimizer: a second synced backward before the next forward "
                                "(each synced backward is one optimizer step at the servers); accumulate with "
@@ -377,8 +389,9 @@ class Engine:
     def _finish(self, p: Pass) -> None:
         """Submit what is not yet (parameters some rank did not use); the pass's facts are final now
         (no more gradients will arrive): exchange them while the last jobs run; wait for every job;
-        close the pass. In parameter-server mode (buckets learned, nothing aborted or late) the jobs
-        go on after ``backward()`` returns: the pass is deferred (see :meth:`drain`)."""
+        close the pass. In parameter-server mode (buckets learned) and under a deferring consistency
+        policy (Pipe-SGD), unless something was aborted or late, the jobs go on after ``backward()``
+        returns: the pass is deferred (see :meth:`drain`). Then the policy says what ``.grad`` holds."""
         self.core.finish(p.aborted)
         for layer, bucket in self._fc_buckets():
             layer.note_pass_end(bucket)
@@ -387,7 +400,7 @@ class Engine:
         everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
         exchange = self._control.start_all_gather(everyone, mine)
         self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
-        may_defer = self.server is not None and self._learned and not p.aborted
+        may_defer = not p.aborted and (self.server is not None and self._learned or self.consistency.defers)
         if not may_defer:
             self._guarded(p, self._wait_jobs)
         self._guarded(p, partial(_wait_exchange, exchange))
@@ -401,6 +414,7 @@ class Engine:
                 if self._round is p.round:
                     self._round = None
                 self._update_ask()
+            self.consistency.backward_returned(self.buckets, averaged=False)
             return
         if may_defer:
             self._guarded(p, self._wait_jobs)
@@ -409,7 +423,9 @@ class Engine:
         elif self.server is not None:
             for index in range(len(self.buckets)):
                 self._apply(index)
-        self._close(p, facts)
+        self._close(p, facts, self._live)
+        if not (p.aborted or p.shadow):
+            self.consistency.backward_returned(self.buckets, averaged=True)
 
     def _wait_jobs(self) -> None:
         raise_outcome(*self.core.wait(self.timeout))
@@ -425,13 +441,14 @@ class Engine:
                     self._pass = None
             raise
 
-    def _close(self, p: Pass, facts: PassFacts) -> None:
-        """After the barrier: device ordering, late gradients, learning, stats, tracing."""
+    def _close(self, p: Pass, facts: PassFacts, grads: GradWriter) -> None:
+        """After the barrier: the averages into ``grads``, device ordering, late gradients, learning,
+        stats, tracing."""
         if self._streams is not None:
             for bucket in self.buckets:
                 torch.cuda.current_stream().wait_event(bucket.done_event)
         start = time.monotonic_ns()
-        self._write_averages(p, facts)
+        self._write_averages(p, facts, grads)
         if self.recorder.active:
             self.recorder.add("scatter", "averages", "compute", start, time.monotonic_ns())
         late = [b for b, is_late in zip(self.buckets, facts.late) if is_late]
@@ -444,7 +461,7 @@ class Engine:
             ctx = SyncContext(PS, p.task, p.aborted, p.shadow)
             self._ps.stage(bucket, ctx)
             if drive(self._ps.sync(bucket, self._channels[0], ctx)):
-                self.core.scatter(bucket)
+                grads.scatter(bucket)
         self._update_stats(p, late)
         if self.recorder.active:
             self._record_pass(p)
@@ -458,8 +475,9 @@ class Engine:
             raise SyncError(f"the backward of rank(s) {peers} was aborted (an exception on that rank) in this step: "
                             "no gradient was averaged, local gradients are kept unsynced; skip the step on every rank")
 
-    def _write_averages(self, p: Pass, facts: PassFacts) -> None:
-        """The averages of this pass into ``.grad`` (training thread, after every job): sync jobs never
+    def _write_averages(self, p: Pass, facts: PassFacts, grads: GradWriter) -> None:
+        """The averages of this pass into ``grads`` (``.grad``, or where the consistency policy holds a
+        deferred pass's gradients; training thread, after every job): sync jobs never
         write ``.grad``, so nothing of a backward that raised can land after the user's ``zero_grad()``;
         an aborted pass keeps its local gradients as unsynced. A bucket that got a gradient late keeps
         ``.grad`` as it is (its early part averaged without the late one): :meth:`_close` syncs all of it
@@ -477,9 +495,9 @@ class Engine:
                     bucket.dirty.fill_(1)  # the bucket is the FC layer alone
             elif bucket.outcome in (PS, "SFB->PS"):
                 if not facts.late[bucket.index]:
-                    self.core.scatter(bucket)
+                    grads.scatter(bucket)
             elif averages.get(name) is not None:
-                bucket.fc.add_to_grad(averages[name])
+                grads.add(bucket.fc, averages[name])
 
     def _close_pass(self, p: Pass) -> None:
         with self._lock:
@@ -578,14 +596,14 @@ class Engine:
         apply_values(bucket)
 
     def drain(self, output: object = None) -> None:
-        """Wait for every job of a deferred pass and apply every new value (local, no collective).
-        ``output``: the forward that just ran; a parameter it read before its new value arrived (read
-        outside the forward of every module holding it) is an error."""
+        """Wait for every job of a deferred pass and, in parameter-server mode, apply every new value
+        (local, no collective). ``output``: the forward that just ran; a parameter it read before its
+        new value arrived (read outside the forward of every module holding it) is an error."""
         deferred = self._deferred
         if deferred is None or deferred.drained:
             return
         self._guarded(deferred.pass_, self._wait_jobs)
-        late = [index for index, applied in enumerate(deferred.applied) if not applied]
+        late = [index for index, applied in enumerate(deferred.applied) if not applied and self.server is not None]
         if output is not None and late:
             self._check_not_read(output, late)
         for index in late:
@@ -612,7 +630,8 @@ class Engine:
         self.drain(output)
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
-            self._close(deferred.pass_, deferred.facts)
+            self._close(deferred.pass_, deferred.facts, self.consistency.writer_for_settle() or self._live)
+            self.consistency.settled()
 
     def backward_raised(self) -> bool:
         """The last synced backward raised: its pass is still open outside any backward (until the next

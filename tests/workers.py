@@ -758,3 +758,4 @@ def fc_layers_watched_after_learning(rank: int, world_size: int) -> dict[str, tu
     seen = {name: (layer.watching, layer.k_round, layer.commit) for name, layer in wrapped.engine.fc.items()}
     wrapped.close()
     return seen
+

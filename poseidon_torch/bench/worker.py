@@ -57,8 +57,11 @@ from poseidon_torch.bench.launch import exit_worker, worker_main
 from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, profile
 
 SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-priority")
-POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES)
-MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero", *SERVER_MODES)
+#: Pipe-SGD: the default mode (hybrid) with ``delay=k``
+DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2}
+POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES, *DELAY_MODES)
+MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero", *SERVER_MODES,
+         *DELAY_MODES)
 DEFAULT_MODES = MODES[:4]
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.01, momentum=0.9)),
               "adamw": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01))}
@@ -95,12 +98,12 @@ def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None) -> Call
     except ImportError as exc:
         raise RuntimeError(f"mode {mode} needs poseidon_torch.PoseidonDDP, "
                            f"which is not importable: {exc}") from exc
-    hybrid = mode == "poseidon-hybrid" or mode in SERVER_MODES
+    hybrid = mode == "poseidon-hybrid" or mode in SERVER_MODES or mode in DELAY_MODES
     engine = "python" if mode == "poseidon-ps-python" else "native"
     if mode == "poseidon-server-lazy-priority":
         os.environ["POSEIDON_PULL_PRIORITY"] = "1"
     return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=timeout, trace_dir=trace_dir,
-                                      engine=engine)
+                                      engine=engine, delay=DELAY_MODES.get(mode, 0))
 
 
 def init_process_group(timeout: float) -> tuple[int, int]:

@@ -1,0 +1,188 @@
+"""The consistency model: when the averages of a synced pass become visible, as one policy object.
+
+The engine (``engine.py``) runs every synced pass the same way (hooks -> ready -> channel -> path); a
+policy decides what happens at its fixed points (compare Bagua's per-algorithm classes and torch DDP's
+comm hooks, ``../shared/notes/policies.md``):
+- ``defers``: whether ``backward()`` may return while the pass's jobs still run (the engine then
+  *settles* the pass at the end of the next synced forward);
+- ``writer_for_settle()``: where the averages of a deferred pass go when it settles;
+- ``backward_returned(params)``: what ``.grad`` holds once a synced ``backward()`` returns;
+- ``state_dict()`` / ``load_state_dict()``: the in-flight state a checkpoint must carry.
+
+:class:`BSP` (the default): a synced backward returns when every sync is done and ``.grad`` holds the
+average of its own gradients. :class:`Delayed` (Pipe-SGD, Li et al. 2018): ``backward()`` of step t
+returns at once and ``.grad`` then holds the average of step t-k (None for the first k steps, so
+torch's optimizers skip them). Invariants of :class:`Delayed`:
+- the gradients of pass n are what ``.grad`` holds when its backward ends (as under BSP: with the usual
+  ``zero_grad()``, the local gradient of step n); they leave ``.grad`` at once and come back averaged,
+  as the ``.grad`` of every parameter, at the end of pass n+k: one object per pass, nothing of one
+  pass mixes with another's;
+- passes are averaged in order and handed back in order; an aborted pass (a rank raised in backward)
+  is not a step of the pipeline on any rank, so every rank's pipeline stays the same;
+- the averages are deterministic: the same bits as BSP's average of the same gradients.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import Tensor, nn
+
+from .bucket import Bucket
+from .sfb import FCLayer
+
+
+class GradWriter(Protocol):
+    """Where a closing pass writes its averages."""
+
+    def scatter(self, bucket: Bucket) -> None:
+        """The averages in ``bucket``'s flat buffer, for every parameter some rank used."""
+
+    def add(self, layer: FCLayer, grads: tuple[Tensor, ...]) -> None:
+        """An SFB average, added to what the pass's ``.grad`` held."""
+
+
+class LiveGrads:
+    """The parameters' ``.grad`` (BSP): ``scatter`` is the core's (it also marks the bucket synced)."""
+
+    def __init__(self, scatter: Callable[[Bucket], None]) -> None:
+        self.scatter = scatter
+
+    def add(self, layer: FCLayer, grads: tuple[Tensor, ...]) -> None:
+        layer.add_to_grad(grads)
+
+
+class HeldGrads:
+    """A pass's gradients held aside (``id(param)`` -> tensor): the ``.grad`` objects its backward left,
+    overwritten with the averages as BSP would overwrite ``.grad``."""
+
+    def __init__(self, grads: dict[int, Tensor]) -> None:
+        self.grads = grads
+
+    def scatter(self, bucket: Bucket) -> None:
+        for used, (p, averaged) in zip(bucket.used_anywhere.tolist(), bucket.views()):
+            if not used:
+                continue
+            held = self.grads.get(id(p))
+            if held is None:
+                self.grads[id(p)] = averaged.clone()
+            else:
+                held.copy_(averaged)
+
+    def add(self, layer: FCLayer, grads: tuple[Tensor, ...]) -> None:
+        for p, grad in zip(layer.params, grads):
+            held, grad = self.grads.get(id(p)), grad.to(p.dtype)
+            self.grads[id(p)] = grad if held is None else held + grad
+
+
+class BSP:
+    """Bulk synchronous parallel: ``.grad`` holds this step's average when ``backward()`` returns."""
+
+    delay = 0
+    defers = False
+
+    def writer_for_settle(self) -> GradWriter | None:
+        return None  # a BSP pass is deferred only in parameter-server mode, which writes no gradient
+
+    def settled(self) -> None:
+        pass
+
+    def backward_returned(self, buckets: Sequence[Bucket], averaged: bool) -> None:
+        pass
+
+    def state_dict(self, names: dict[int, str]) -> dict:
+        return {"delay": 0}
+
+    def load_state_dict(self, state: dict, params: dict[str, nn.Parameter]) -> None:
+        _check_delay(state, 0)
+
+
+@dataclass
+class _InFlight:
+    """One pass in the pipeline: its gradients, averaged once ``averaged``."""
+
+    grads: HeldGrads
+    averaged: bool = field(default=False)
+
+
+class Delayed:
+    """Pipe-SGD: ``.grad`` after step t's backward is the average of step t-k's gradients."""
+
+    defers = True
+
+    def __init__(self, delay: int) -> None:
+        if delay < 1:
+            raise ValueError(f"Delayed needs delay >= 1, got {delay}")
+        self.delay = delay
+        self._pipeline: deque[_InFlight] = deque()
+
+    def writer_for_settle(self) -> GradWriter:
+        """The oldest pass not yet averaged: the one that settles (passes settle in order)."""
+        return self._oldest_pending().grads
+
+    def settled(self) -> None:
+        self._oldest_pending().averaged = True
+
+    def _oldest_pending(self) -> _InFlight:
+        for entry in self._pipeline:
+            if not entry.averaged:
+                return entry
+        raise RuntimeError("Pipe-SGD: no pass in flight to settle (internal error)")
+
+    def backward_returned(self, buckets: Sequence[Bucket], averaged: bool) -> None:
+        """Take this pass's gradients out of ``.grad`` (already averaged into it when the pass closed
+        before returning) and put back the average of the pass ``delay`` steps older; what ``.grad``
+        holds now is synced (no bucket is dirty)."""
+        params = [p for bucket in buckets for p in bucket.params]
+        for bucket in buckets:
+            bucket.dirty.zero_()
+        self._pipeline.append(_InFlight(HeldGrads({id(p): p.grad for p in params if p.grad is not None}), averaged))
+        due = self._pipeline.popleft() if len(self._pipeline) > self.delay else None
+        if due is not None and not due.averaged:
+            raise RuntimeError("Pipe-SGD: the pass due now was never settled (internal error)")
+        held = due.grads.grads if due is not None else {}
+        for p in params:
+            p.grad = held.get(id(p))
+
+    def state_dict(self, names: dict[int, str]) -> dict:
+        """The averaged gradients in flight, oldest first, by parameter name (every pass settled)."""
+        if any(not entry.averaged for entry in self._pipeline):
+            raise RuntimeError("Pipe-SGD: settle the engine before saving its pipeline (internal error)")
+        return {"delay": self.delay,
+                "in_flight": [{names[key]: grad.detach().clone() for key, grad in entry.grads.grads.items()}
+                              for entry in self._pipeline]}
+
+    def load_state_dict(self, state: dict, params: dict[str, nn.Parameter]) -> None:
+        _check_delay(state, self.delay)
+        pipeline = deque()
+        for grads in state["in_flight"]:
+            unknown = set(grads) - set(params)
+            if unknown:
+                raise ValueError(f"Pipe-SGD state names parameters this model does not sync: {sorted(unknown)}")
+            held = {id(params[name]): grad.to(params[name].device, params[name].dtype).clone()
+                    for name, grad in grads.items()}
+            pipeline.append(_InFlight(HeldGrads(held), averaged=True))
+        if len(pipeline) > self.delay:
+            raise ValueError(f"Pipe-SGD state holds {len(pipeline)} passes in flight, more than delay={self.delay}")
+        self._pipeline = pipeline
+
+
+def _check_delay(state: dict, delay: int) -> None:
+    if not isinstance(state, dict) or "delay" not in state:
+        raise ValueError(f"not a PoseidonDDP consistency state: {type(state).__name__}")
+    if state["delay"] != delay:
+        raise ValueError(f"the state was saved with delay={state['delay']}, this PoseidonDDP has delay={delay}")
+
+
+def consistency_for(delay: int) -> BSP | Delayed:
+    """The policy of ``PoseidonDDP(delay=...)``."""
+    return Delayed(delay) if delay else BSP()
+
+
+def check_delay(delay: object) -> int:
+    if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
+        raise TypeError(f"PoseidonDDP option delay must be an int >= 0 (steps), got {delay!r}")
+    return delay
+

@@ -1,0 +1,204 @@
+"""Rank functions for the Pipe-SGD tests (``PoseidonDDP(delay=k)``), and the single-process k-delayed
+SGD they are compared with."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from models import ModelSpec, batch, build
+from poseidon_torch import PoseidonDDP, SyncError
+from workers import OPTIMIZER, poseidon_options, shard
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+    return torch.optim.SGD(params, **OPTIMIZER)
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def train_delayed(rank: int, world_size: int, spec: ModelSpec, delay: int | None, steps: int, size: int,
+                  optimizer: str = "sgd", options: dict | None = None, skip: int | None = None,
+                  accumulate: int = 1) -> dict:
+    """PoseidonDDP training (``delay=None``: the argument left out); the final state, ``.grad`` after
+    every backward, and the paths the buckets took. ``skip``: at that step the last rank's backward
+    raises, and every rank skips the step (the others must get a SyncError). ``accumulate``: micro-batches
+    per step, all but the last under ``no_sync()``."""
+    model = build(spec, seed=spec.seed)
+    extra = {} if delay is None else {"delay": delay}
+    wrapped = PoseidonDDP(model, timeout=60, **extra, **poseidon_options(model, options))
+    opt = make_optimizer(optimizer, wrapped.parameters())
+    grads, paths, errors = [], [], []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate - 1):
+            x, y = batch(spec, step * accumulate + micro, size, world_size)
+            with wrapped.no_sync():
+                F.mse_loss(wrapped(shard(x, rank, size)), shard(y, rank, size)).backward()
+        x, y = batch(spec, step * accumulate + accumulate - 1, size, world_size)
+        out = wrapped(shard(x, rank, size), use_side=spec.rank0_branch and rank == 0)
+        loss = F.mse_loss(out, shard(y, rank, size))
+        if step == skip:
+            if rank == world_size - 1:  # after the wrapper's own hook on its output: the backward is synced
+                out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("bad batch")))
+            try:
+                loss.backward()
+            except (ValueError, SyncError) as exc:
+                errors.append(type(exc).__name__)
+            continue
+        loss.backward()
+        grads.append(_grads(model))
+        opt.step()
+        paths.append(dict(wrapped.comm_stats.outcome_by_bucket))
+    wrapped.close()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "grads": grads,
+            "paths": paths, "errors": errors}
+
+
+def reference_delayed(spec: ModelSpec, delay: int, steps: int, size: int, world_size: int,
+                      optimizer: str = "sgd", skip: int | None = None, accumulate: int = 1) -> dict:
+    """k-delayed SGD in one process on the concatenated batch: w_{t+1} = opt(w_t, g(w_{t-k})), no
+    update for the first k steps (``.grad`` None); a ``skip``ped step does not exist. The final
+    parameters and the gradient each step applied."""
+    model = build(spec, seed=spec.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(optimizer, params)
+    in_flight, applied = [], []
+    for step in range(steps):
+        if step == skip:
+            continue
+        opt.zero_grad()
+        for micro in range(accumulate):
+            _loss(model, spec, step * accumulate + micro, size, world_size).backward()
+        in_flight.append([p.grad for p in params])
+        due = in_flight.pop(0) if len(in_flight) > delay else [None] * len(params)
+        for p, g in zip(params, due):
+            p.grad = g
+        applied.append(_grads(model))
+        opt.step()
+    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "grads": applied}
+
+
+def _loss(model: torch.nn.Module, spec: ModelSpec, step: int, size: int, world_size: int) -> torch.Tensor:
+    """The loss of the concatenated batch of ``step`` (a micro-batch index when accumulating); with BatchNorm or a rank-0-only branch the ranks' forwards
+    differ, so the mean of the per-shard losses (the same objective)."""
+    x, y = batch(spec, step, size, world_size)
+    if not (spec.batchnorm or spec.rank0_branch):
+        return F.mse_loss(model(x), y)
+    return sum(F.mse_loss(model(shard(x, r, size), use_side=spec.rank0_branch and r == 0), shard(y, r, size))
+               for r in range(world_size)) / world_size
+
+
+def train_delayed_cases(rank: int, world_size: int, spec: ModelSpec, cases: list[tuple], steps: int,
+                        size: int) -> list[dict]:
+    """:func:`train_delayed` for each (delay, optimizer, options) of ``cases``."""
+    return [train_delayed(rank, world_size, spec, delay, steps, size, optimizer, options)
+            for delay, optimizer, options in cases]
+
+
+class SlowPath:
+    """The path it replaces, after a pause in every job: a sync that takes ``seconds``."""
+
+    def __init__(self, inner, seconds: float) -> None:
+        self.inner, self.seconds, self.name = inner, seconds, inner.name
+
+    def stage(self, bucket, ctx):
+        self.inner.stage(bucket, ctx)
+
+    def sync(self, bucket, groups, ctx):
+        yield "network"
+        time.sleep(self.seconds)
+        return (yield from self.inner.sync(bucket, groups, ctx))
+
+
+def overlap(rank: int, world_size: int, delay: int, seconds: float) -> dict:
+    """Steps whose sync jobs each take ``seconds``: how long ``backward()`` took, and whether every
+    job of its pass was done when it returned."""
+    spec = ModelSpec(widths=(8, 8))
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, delay=delay, hybrid=False)
+    for path in list(wrapped.engine.paths):
+        wrapped.engine.paths[path] = SlowPath(wrapped.engine.paths[path], seconds)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    backward_s, done_at_return = [], []
+    for step in range(4):
+        opt.zero_grad()
+        x, y = batch(spec, step, 2, world_size)
+        loss = F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2))
+        start = time.monotonic()
+        loss.backward()
+        backward_s.append(time.monotonic() - start)
+        engine = wrapped.engine
+        done_at_return.append(all(engine.core.done(b.index) for b in engine.buckets))
+        opt.step()
+    wrapped.close()
+    return {"backward_s": backward_s, "done_at_return": done_at_return}
+
+
+def checkpoint_resume(rank: int, world_size: int, delay: int, optimizer: str) -> dict:
+    """Train 5 steps straight, and 2 steps, a checkpoint (model, optimizer, the gradients in flight)
+    restored into a new model and wrapper, then the other 3: both final states."""
+    spec = ModelSpec(widths=(8, 5))
+
+    def steps(wrapped, opt, first: int, last: int) -> None:
+        for step in range(first, last):
+            opt.zero_grad()
+            x, y = batch(spec, step, 3, world_size)
+            F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
+            opt.step()
+
+    def fresh(seed: int):
+        model = build(spec, seed=seed)
+        wrapped = PoseidonDDP(model, timeout=60, delay=delay)
+        return model, wrapped, make_optimizer(optimizer, wrapped.parameters())
+
+    model, wrapped, opt = fresh(spec.seed)
+    steps(wrapped, opt, 0, 5)
+    straight = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped.close()
+
+    model, wrapped, opt = fresh(spec.seed)
+    steps(wrapped, opt, 0, 2)
+    saved = {"model": {k: v.clone() for k, v in wrapped.state_dict().items()}, "opt": opt.state_dict(),
+             "delay": wrapped.consistency_state_dict()}
+    in_flight = len(saved["delay"]["in_flight"])
+    wrapped.close()
+    model, wrapped, opt = fresh(spec.seed + 1)  # other initial values: all of them come from the checkpoint
+    wrapped.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    wrapped.load_consistency_state_dict(saved["delay"])
+    steps(wrapped, opt, 2, 5)
+    resumed = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped.close()
+    return {"straight": straight, "resumed": resumed, "in_flight": in_flight}
+
+
+def refused(rank: int, world_size: int, what: str) -> str:
+    """The error a misuse of ``delay`` gets ("" if none)."""
+    from poseidon_torch import ServerOptimizer
+
+    model = build(ModelSpec(widths=(4,)), seed=0)
+    try:
+        if what == "negative":
+            PoseidonDDP(model, delay=-1)
+        elif what == "bool":
+            PoseidonDDP(model, delay=True)
+        elif what == "differs":
+            PoseidonDDP(model, delay=rank)
+        else:
+            wrapped = PoseidonDDP(model, delay=1)
+            if what == "join":
+                wrapped.join()
+            elif what == "server":
+                ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1)
+            elif what == "wrong_state":
+                wrapped.load_consistency_state_dict({"delay": 2, "in_flight": []})
+            wrapped.close()
+    except Exception as exc:  # the test reads type and message
+        return f"{type(exc).__name__}: {exc}"
+    return ""

@@ -1,0 +1,132 @@
+"""Pipe-SGD (``PoseidonDDP(delay=k)``): the parameters of k-delayed SGD on the concatenated batch, the
+gradient of exactly k steps earlier in ``.grad``, a sync that really runs on after ``backward()``,
+checkpoints that carry the gradients in flight, and clear refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import delay_workers as dw
+from models import ModelSpec, fc_specs, model_specs
+
+RTOL, ATOL = 1e-5, 1e-6
+STEPS = 5
+
+
+def assert_delayed_parity(results: list[dict], reference: dict, what: str) -> None:
+    """Every rank's parameters match the single-process k-delayed run and are bit-identical to rank 0's."""
+    rank0 = results[0]["state"]
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(rank0[name], value, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{what}: {name} vs k-delayed SGD in one process: {m}")
+    for rank, result in enumerate(results):
+        for name in reference["params"]:
+            assert torch.equal(result["state"][name], rank0[name]), f"{what}: rank {rank} diverged on {name}"
+
+
+MATRIX = [(k, opt, force, engine) for k in (1, 2) for opt in ("sgd", "adamw") for force in (None, "PS", "SFB")
+          for engine in ("native", "python")]
+
+
+@pytest.mark.parametrize("spec", [ModelSpec(widths=(8, 5)), ModelSpec(widths=(6,), seq=3, tied=True)],
+                         ids=["mlp", "seq-tied"])
+def test_matches_k_delayed_sgd_every_path_core_and_optimizer(cluster, spec):
+    """k = 1, 2 x SGD momentum, AdamW x hybrid (the coordinator's choice), PS, SFB (forced) x both cores."""
+    cases = [(k, opt, {"force": force, "engine": engine} if force else {"engine": engine})
+             for k, opt, force, engine in MATRIX]
+    results = cluster.run(dw.train_delayed_cases, spec, cases, STEPS, 3, timeout=400)
+    for i, (k, opt, force, engine) in enumerate(MATRIX):
+        reference = dw.reference_delayed(spec, k, STEPS, 3, cluster.world_size, opt)
+        what = f"delay={k} {opt} {force or 'hybrid'} {engine}"
+        assert_delayed_parity([r[i] for r in results], reference, what)
+        if force:  # the forced path really ran, on every bucket of the last steps
+            assert set(results[0][i]["paths"][-1].values()) == {force}, what
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=st.one_of(model_specs(), fc_specs()), k=st.sampled_from([1, 2]), opt=st.sampled_from(["sgd", "adamw"]),
+       force=st.sampled_from([None, "PS", "SFB"]), size=st.integers(1, 4))
+def test_generated_models_match_k_delayed_sgd(cluster, spec, k, opt, force, size):
+    options = {"force": force} if force else {"fusion_bytes": 512}
+    results = cluster.run(dw.train_delayed, spec, k, STEPS, size, opt, options, timeout=200)
+    assert_delayed_parity(results, dw.reference_delayed(spec, k, STEPS, size, cluster.world_size, opt), str(spec))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_each_step_applies_the_gradient_of_exactly_k_steps_earlier(cluster, k):
+    """``.grad`` after backward t is the average of step t-k (None before): neither fresher nor staler."""
+    spec = ModelSpec(widths=(7,))
+    results = cluster.run(dw.train_delayed, spec, k, STEPS, 2, "sgd", {})
+    reference = dw.reference_delayed(spec, k, STEPS, 2, cluster.world_size)
+    for rank, result in enumerate(results):
+        for step, (ours, theirs) in enumerate(zip(result["grads"], reference["grads"])):
+            for name, expected in theirs.items():
+                if expected is None:
+                    assert ours[name] is None, f"rank {rank} step {step}: {name} has a gradient before step {k}"
+                else:
+                    torch.testing.assert_close(ours[name], expected, rtol=RTOL, atol=ATOL,
+                                               msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+    fresher = dw.reference_delayed(spec, k - 1, STEPS, 2, cluster.world_size)["grads"]
+    assert not torch.allclose(fresher[k]["body.0.weight"], results[0]["grads"][k]["body.0.weight"])
+
+
+def test_delay_zero_is_bit_identical_to_bsp(cluster):
+    spec = ModelSpec(widths=(8, 5))
+    results = cluster.run(dw.train_delayed_cases, spec, [(None, "adamw", {}), (0, "adamw", {})], STEPS, 3)
+    for default, zero in results:
+        for name, value in default["state"].items():
+            assert torch.equal(value, zero["state"][name]), name
+
+
+def test_backward_returns_while_its_sync_still_runs(cluster):
+    """Every sync job sleeps 0.4 s. Under BSP backward waits for them; with delay=1 it returns with the
+    jobs still running (it fails if step t's sync is waited for at the end of step t's backward)."""
+    bsp = cluster.run(dw.overlap, 0, 0.4)
+    delayed = cluster.run(dw.overlap, 1, 0.4)
+    for rank in range(cluster.world_size):
+        # (the first pass's buckets are rebuilt when it closes: from the second pass on)
+        assert all(bsp[rank]["done_at_return"][1:]) and min(bsp[rank]["backward_s"]) >= 0.4, bsp[rank]
+        assert not any(delayed[rank]["done_at_return"][1:]), delayed[rank]
+        assert max(delayed[rank]["backward_s"][1:]) < 0.3, delayed[rank]
+
+
+@pytest.mark.parametrize("k,opt", [(1, "sgd"), (2, "adamw")])
+def test_checkpoint_carries_the_gradients_in_flight(cluster, k, opt):
+    for rank, result in enumerate(cluster.run(dw.checkpoint_resume, k, opt)):
+        assert result["in_flight"] == k
+        for name, value in result["straight"].items():
+            assert torch.equal(result["resumed"][name], value), f"rank {rank}: {name} after resuming"
+
+
+def test_a_rank_raising_in_backward_drops_that_step_everywhere(cluster):
+    """The last rank's backward raises at step 2: it gets its own error, every other rank a SyncError;
+    all skip the step, the pipeline stays the same on every rank, and training continues as k-delayed
+    SGD without that step."""
+    spec = ModelSpec(widths=(8, 5))
+    results = cluster.run(dw.train_delayed, spec, 1, 6, 3, "sgd", {}, 2)
+    for rank, result in enumerate(results):
+        assert result["errors"] == ["ValueError" if rank == cluster.world_size - 1 else "SyncError"], result["errors"]
+    assert_delayed_parity(results, dw.reference_delayed(spec, 1, 6, 3, cluster.world_size, skip=2), "skip")
+
+
+@pytest.mark.parametrize("force", [None, "SFB"])
+def test_no_sync_accumulation_is_one_delayed_step(cluster, force):
+    """Three micro-batches per step, two under ``no_sync()``: their sum is the step's gradient, applied
+    one step late (an SFB layer falls back to PS for the accumulated part, exactly)."""
+    spec = ModelSpec(widths=(8, 5))
+    options = {"force": force} if force else {}
+    results = cluster.run(dw.train_delayed, spec, 1, 4, 2, "sgd", options, None, 3)
+    reference = dw.reference_delayed(spec, 1, 4, 2, cluster.world_size, accumulate=3)
+    assert_delayed_parity(results, reference, f"no_sync {force}")
+
+
+@pytest.mark.parametrize("what,message", [
+    ("negative", "delay must be an int >= 0"), ("bool", "delay must be an int >= 0"),
+    ("differs", "options differ"), ("join", "not supported with delay=1"),
+    ("server", "not supported yet"), ("wrong_state", "saved with delay=2"),
+])
+def test_misuse_is_refused_clearly(cluster, what, message):
+    for error in cluster.run(dw.refused, what):
+        assert message in error, error
