@@ -1,9 +1,13 @@
 """Train a small VGG-like CNN with PoseidonDDP (and, with --compare-ddp, torch DDP in the same run).
 
     torchrun --nproc_per_node 2 examples/train.py [--steps 30] [--batch 32] [--compare-ddp] [--server]
+        [--delay K]
 
 With --server both runs use AdamW, and PoseidonDDP's is a ServerOptimizer: the KV-store shards hold
 the optimizer state (1/P of it each) and apply the update; the example prints the state per rank.
+With --delay K PoseidonDDP runs Pipe-SGD: each step applies the averaged gradients of K steps earlier
+(``PoseidonDDP(model, delay=K)``, or ``ServerOptimizer(..., delay=K)`` with --server), so a step's
+sync runs on during the next K steps; the first K steps apply nothing.
 
 The data are synthetic but learnable: each class is a fixed random 32x32 image plus noise, so the loss
 falls within a few dozen steps. Prints loss and samples/s; rank 0 prints the summary.
@@ -47,8 +51,11 @@ def synthetic_batch(step: int, batch: int, rank: int) -> tuple[torch.Tensor, tor
 def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list[float]:
     torch.manual_seed(0)
     model = small_vgg(args.fc_width)
-    wrapped = PoseidonDDP(model) if wrapper == "poseidon" else DDP(model)
-    opt = make_optimizer(wrapper, wrapped, args.server)
+    if wrapper == "poseidon":
+        wrapped = PoseidonDDP(model, delay=0 if args.server else args.delay)
+    else:
+        wrapped = DDP(model)
+    opt = make_optimizer(wrapper, wrapped, args.server, args.delay)
     times = []
     for step in range(args.steps):
         x, y = synthetic_batch(step, args.batch, rank)
@@ -69,12 +76,13 @@ def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list
     return times[args.warmup:]
 
 
-def make_optimizer(wrapper: str, wrapped: nn.Module, server: bool) -> torch.optim.Optimizer:
-    """SGD with momentum; with ``server``, AdamW, run by PoseidonDDP's shards for PoseidonDDP."""
+def make_optimizer(wrapper: str, wrapped: nn.Module, server: bool, delay: int) -> torch.optim.Optimizer:
+    """SGD with momentum; with ``server``, AdamW, run by PoseidonDDP's shards for PoseidonDDP (with
+    Pipe-SGD's ``delay`` there)."""
     if not server:
         return torch.optim.SGD(wrapped.parameters(), lr=0.02, momentum=0.9)
     if wrapper == "poseidon":
-        return ServerOptimizer(wrapped, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+        return ServerOptimizer(wrapped, torch.optim.AdamW, lr=1e-3, weight_decay=0.01, delay=delay)
     return torch.optim.AdamW(wrapped.parameters(), lr=1e-3, weight_decay=0.01)
 
 
@@ -92,6 +100,7 @@ def main() -> None:
     parser.add_argument("--fc-width", type=int, default=1024)
     parser.add_argument("--compare-ddp", action="store_true", help="also train with torch DDP and compare")
     parser.add_argument("--server", action="store_true", help="AdamW; PoseidonDDP's run by its parameter servers")
+    parser.add_argument("--delay", type=int, default=0, help="Pipe-SGD: apply the gradients of K steps earlier")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -21,7 +21,7 @@ from .ddp import PoseidonDDP
 from .engine import CommStats
 from .link import LinkModel
 from .replicas import ModelMismatchError
-from .server import ServerOptimizer
+from .optimizer import ServerOptimizer
 from .sfb import register_fc
 
 __all__ = ["PoseidonDDP", "ServerOptimizer", "register_fc", "LinkModel", "Plan", "SyncError", "SyncTimeout",

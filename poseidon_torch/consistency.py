@@ -6,7 +6,10 @@ comm hooks, ``../shared/notes/policies.md``):
 - ``defers``: whether ``backward()`` may return while the pass's jobs still run (the engine then
   *settles* the pass at the end of the next synced forward);
 - ``writer_for_settle()``: where the averages of a deferred pass go when it settles;
-- ``backward_returned(params)``: what ``.grad`` holds once a synced ``backward()`` returns;
+- ``backward_returned(buckets)``: what ``.grad`` holds once a synced ``backward()`` returns;
+- parameter-server mode: ``take_values(bucket)`` (a bucket's new values arrived), ``values_taken()``
+  (all of a pass's), ``before_forward()`` (what a forward reads), ``value_source`` (what the owners
+  step from), ``forget_values()`` (the user loaded parameters);
 - ``state_dict()`` / ``load_state_dict()``: the in-flight state a checkpoint must carry.
 
 :class:`BSP` (the default): a synced backward returns when every sync is done and ``.grad`` holds the
@@ -20,6 +23,8 @@ torch's optimizers skip them). Invariants of :class:`Delayed`:
 - passes are averaged in order and handed back in order; an aborted pass (a rank raised in backward)
   is not a step of the pipeline on any rank, so every rank's pipeline stays the same;
 - the averages are deterministic: the same bits as BSP's average of the same gradients.
+:class:`DelayedValues` is Pipe-SGD in parameter-server mode: the forward of step t reads the values of
+step t-1-k, while the owners step from the newest values: w_{t+1} = opt(w_t, g(w_{t-k})).
 """
 from __future__ import annotations
 
@@ -28,9 +33,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 from torch import Tensor, nn
 
 from .bucket import Bucket
+from .server import apply_values
 from .sfb import FCLayer
 
 
@@ -78,10 +85,25 @@ class HeldGrads:
 
 
 class BSP:
-    """Bulk synchronous parallel: ``.grad`` holds this step's average when ``backward()`` returns."""
+    """Bulk synchronous parallel: ``.grad`` holds this step's average when ``backward()`` returns; in
+    parameter-server mode a forward reads the values of the last step (the engine's per-layer waits)."""
 
     delay = 0
     defers = False
+    value_source = None  #: the owners step from the live parameters
+    waits_per_layer = True  #: the per-layer forward waits of lazy pulls apply
+
+    def take_values(self, bucket: Bucket) -> None:
+        apply_values(bucket)
+
+    def values_taken(self) -> None:
+        pass
+
+    def before_forward(self) -> None:
+        pass
+
+    def forget_values(self) -> None:
+        pass
 
     def writer_for_settle(self) -> GradWriter | None:
         return None  # a BSP pass is deferred only in parameter-server mode, which writes no gradient
@@ -107,7 +129,7 @@ class _InFlight:
     averaged: bool = field(default=False)
 
 
-class Delayed:
+class Delayed(BSP):
     """Pipe-SGD: ``.grad`` after step t's backward is the average of step t-k's gradients."""
 
     defers = True
@@ -186,3 +208,73 @@ def check_delay(delay: object) -> int:
         raise TypeError(f"PoseidonDDP option delay must be an int >= 0 (steps), got {delay!r}")
     return delay
 
+
+
+class DelayedValues(BSP):
+    """Pipe-SGD in parameter-server mode (``ServerOptimizer(..., delay=k)``): the new values of step n
+    are held until the forward of step n+1+k; the owners step from the newest values meanwhile.
+    Invariants: values are held in pass order and applied in that order, each pass's values once; a
+    pass that was aborted is no step (it is not counted, on any rank); the newest values are replaced
+    only on the training thread, between passes, so an owner's step reads one whole pass's values."""
+
+    defers = True
+    waits_per_layer = False
+
+    def __init__(self, delay: int) -> None:
+        if delay < 1:
+            raise ValueError(f"DelayedValues needs delay >= 1, got {delay}")
+        self.delay = delay
+        self._ended = 0  #: synced passes whose backward returned (not aborted)
+        self._taken = 0  #: passes whose values are all held
+        self._filling: dict[nn.Parameter, Tensor] = {}
+        self._held: deque[tuple[int, dict[nn.Parameter, Tensor]]] = deque()  #: (pass, values), oldest first
+        self._newest: dict[int, Tensor] = {}  #: id(param) -> its newest value (what the owners step from)
+
+    def value_source(self, param: nn.Parameter) -> Tensor:
+        return self._newest.get(id(param), param)
+
+    def take_values(self, bucket: Bucket) -> None:
+        for used, (p, value) in zip(bucket.used_anywhere.tolist(), bucket.views()):
+            if used:
+                self._filling[p] = value.clone()
+
+    def values_taken(self) -> None:
+        values, self._filling = self._filling, {}
+        self._held.append((self._taken, values))
+        self._taken += 1
+        self._newest.update((id(p), value) for p, value in values.items())
+
+    def backward_returned(self, buckets: Sequence[Bucket], averaged: bool) -> None:
+        self._ended += 1
+
+    def before_forward(self) -> None:
+        """Apply the values of every pass n <= ended - 1 - k (the forward of step t reads step t-1-k's)."""
+        while self._held and self._held[0][0] <= self._ended - 1 - self.delay:
+            _, values = self._held.popleft()
+            with torch.no_grad():
+                for p, value in values.items():
+                    p.copy_(value)
+
+    def forget_values(self) -> None:
+        """The user loaded parameters: they are the newest values now, nothing held lands on them."""
+        self._held.clear()
+        self._newest.clear()
+
+    def state_dict(self, names: dict[int, str]) -> dict:
+        """The values held (not yet read by a forward), oldest first, by parameter name, with how many
+        steps from now each one lands."""
+        return {"delay": self.delay,
+                "held": [(n - self._ended, {names[id(p)]: v.clone() for p, v in values.items()})
+                         for n, values in self._held]}
+
+    def load_state_dict(self, state: dict, params: dict[str, nn.Parameter]) -> None:
+        _check_delay(state, self.delay)
+        self.forget_values()
+        for offset, values in state["held"]:
+            unknown = set(values) - set(params)
+            if unknown:
+                raise ValueError(f"Pipe-SGD state names parameters this model does not sync: {sorted(unknown)}")
+            held = {params[name]: v.to(params[name].device, params[name].dtype).clone() for name, v in values.items()}
+            self._held.append((self._ended + offset, held))
+            self._newest.update((id(p), value) for p, value in held.items())
+        self._taken = self._ended + (self._held[-1][0] - self._ended + 1 if self._held else 0)

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .barrier import SyncError
-from .consistency import BSP, Delayed, GradWriter, LiveGrads
+from .consistency import BSP, Delayed, DelayedValues, GradWriter, LiveGrads
 from .bucket import Bucket, JobCost, Layer, build_buckets, find_layers, group_layers, readiness_order
 from .coordinator import PS, SFB, Coordinator, PassFacts
 from .core import NativeCore, PythonCore, raise_outcome
@@ -49,7 +49,7 @@ from .kvstore import PSPath, ps_messages
 from .link import LinkModel, theil_sen
 from .pools import Groups, StreamPool
 from .schedule import ChannelPlan, Halves, SyncingAtEnd, plan_channels
-from .server import SFBUpdatePath, Server, ServerPath, apply_values, merge_exports
+from .server import SFBUpdatePath, Server, ServerPath, merge_exports
 from .sfb import FCLayer, SFBPath, fc_layers
 from .trace import Recorder
 
@@ -83,9 +83,12 @@ class SyncContext:
 
 
 class Round:
-    """Identity of a round of synced forwards."""
+    """Identity of a round of synced forwards, and when it began (the tracer's iteration starts there)."""
 
-    __slots__ = ()
+    __slots__ = ("began_ns",)
+
+    def __init__(self) -> None:
+        self.began_ns = time.monotonic_ns()
 
 
 @dataclass(eq=False)
@@ -136,7 +139,7 @@ class Engine:
     def __init__(self, module: nn.Module, *, groups: Groups, chunk_bytes: int, fusion_bytes: int,
                  timeout: float, staged: bool, recorder: Recorder, hybrid: bool, link: LinkModel,
                  gemm_flops: float | None, overrides: dict[str, str] | None, native: bool,
-                 consistency: BSP | Delayed | None = None) -> None:
+                 consistency: BSP | Delayed | DelayedValues | None = None) -> None:
         self.rank, self.world_size = groups.control.rank, groups.control.size
         #: when a pass's averages become visible (BSP, or Pipe-SGD's delay): ``consistency.py``
         self.consistency = consistency or BSP()
@@ -267,6 +270,7 @@ class Engine:
             raise SyncError(f"PoseidonDDP cannot continue after a failed sync: {self.failure}") from self.failure
         if torch.is_grad_enabled():
             self._latest_forward_synced = synced
+        self.consistency.before_forward()
         if synced and self._round is None:
             self._round = Round()
             for name, layer in self.fc.items():
@@ -423,6 +427,7 @@ class Engine:
         elif self.server is not None:
             for index in range(len(self.buckets)):
                 self._apply(index)
+            self.consistency.values_taken()
         self._close(p, facts, self._live)
         if not (p.aborted or p.shadow):
             self.consistency.backward_returned(self.buckets, averaged=True)
@@ -469,7 +474,8 @@ class Engine:
             self._watch_pulls(facts)
             self._learn_if_needed()
         self._close_pass(p)
-        self.recorder.end_iteration()
+        # a deferred pass closes during the next round's forward: its iteration began with its own round
+        self.recorder.end_iteration(p.round.began_ns if p.round is not None else None)
         if facts.aborted and not p.aborted:
             peers = ", ".join(map(str, facts.aborted_ranks))
             raise SyncError(f"the backward of rank(s) {peers} was aborted (an exception on that rank) in this step: "
@@ -517,12 +523,14 @@ class Engine:
         described = self._control.all_gather_objects(facade.describe())
         for rank, other in enumerate(described):
             if other != described[0]:
-                raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank} (class, lazy_pull, max_grad_norm, "
-                                 f"param groups or hyperparameters): {described[0]} vs {other}")
+                raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank} (class, lazy_pull, "
+                                 f"max_grad_norm, delay, param groups or hyperparameters): {described[0]} vs {other}")
         self.settle()
+        if facade.delay:
+            self.consistency = DelayedValues(facade.delay)
         self._ps.aligned = facade.aligned
         self._ps.flags_to_owners = True
-        self.server = Server(facade)
+        self.server = Server(facade, self.consistency.value_source)
         self._server_path = ServerPath(self._ps, self.server)
         self._sfb_update = SFBUpdatePath(self.paths[SFB], self._ps, self.server)
         self.coordinator.pull_values = True
@@ -557,7 +565,7 @@ class Engine:
     def _before_layer(self, module: nn.Module, args: tuple) -> None:
         """A layer's forward begins: its new parameter values first (forward pre-hook). Inside a compiled
         graph it cannot wait: a value still pending then is caught at the end of the forward."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not self.consistency.waits_per_layer:
             return
         deferred = self._deferred
         if deferred is None or deferred.drained:
@@ -571,19 +579,22 @@ class Engine:
         self.drain()
 
     def _before_load(self, module: nn.Module, *args) -> None:
-        """Loading parameters: the last step's values must land first, not over what is loaded."""
+        """Loading parameters: the last step's values must land first, not over what is loaded; values
+        held for later steps never land."""
         self.drain()
+        self.consistency.forget_values()
 
     def _wait_bucket(self, index: int) -> None:
         raise_outcome(*self.core.wait_bucket(index, self.timeout))
 
     def _apply(self, index: int, deferred: Deferred | None = None) -> None:
-        """Bucket ``index``'s new parameter values into the parameters (its job is done). For a
-        deferred pass, a parameter written since backward returned is an error: the new value was
-        computed from the old one."""
+        """Bucket ``index``'s new parameter values into the parameters, or where the consistency policy
+        holds them (its job is done). For a deferred pass read per layer, a parameter written since
+        backward returned is an error: the new value was computed from the old one."""
         bucket = self.buckets[index]
         if deferred is not None:
             deferred.applied[index] = True
+        if deferred is not None and self.consistency.waits_per_layer:
             for name, p in zip(bucket.param_names, bucket.params):
                 if p._version != deferred.versions[id(p)]:
                     error = SyncError(f"parameter {name!r} was written after backward() while its new value was still "
@@ -593,7 +604,7 @@ class Engine:
                     raise error
         if self._streams is not None:
             torch.cuda.current_stream().wait_event(bucket.done_event)
-        apply_values(bucket)
+        self.consistency.take_values(bucket)
 
     def drain(self, output: object = None) -> None:
         """Wait for every job of a deferred pass and, in parameter-server mode, apply every new value
@@ -604,10 +615,12 @@ class Engine:
             return
         self._guarded(deferred.pass_, self._wait_jobs)
         late = [index for index, applied in enumerate(deferred.applied) if not applied and self.server is not None]
-        if output is not None and late:
+        if output is not None and late and self.consistency.waits_per_layer:
             self._check_not_read(output, late)
         for index in late:
             self._apply(index, deferred)
+        if self.server is not None:
+            self.consistency.values_taken()
         deferred.drained = True
 
     def _check_not_read(self, output: object, late: list[int]) -> None:

@@ -29,18 +29,19 @@ Invariants:
   the state it replaced until the pass's facts are known, and puts it back if the pass was aborted;
 - hyperparameters are read from the user-facing param groups at every step, so LR schedulers work;
 - optimizers whose update of one element reads other elements of the parameter get chunks aligned to
-  whole parameters; optimizers that need a closure or sparse gradients are refused.
+  whole parameters (``optimizer.py`` decides, and refuses optimizers that need a closure or sparse
+  gradients);
+- with Pipe-SGD's ``delay`` the owners step from the newest values (the consistency policy's
+  ``value_source``), not from the parameters, which lag the servers by k steps.
 """
 from __future__ import annotations
 
-import inspect
 import math
-import numbers
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -50,24 +51,8 @@ from .bucket import Bucket
 from .kvstore import Chunk, PSPath
 from .pools import ChannelGroups
 
-#: torch optimizers whose update of an element reads only that element's gradient and state: their
-#: chunks may cut parameters anywhere. Any other class (subclasses of these included: a LARS written
-#: as a subclass of SGD rescales per parameter) sees whole parameters.
-ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
-    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD"))
-#: optimizers that cannot run on shards: a closure re-evaluating the whole model, or sparse gradients
-REFUSED = (torch.optim.LBFGS, torch.optim.SparseAdam)
-
-
-def chunks_must_align(optimizer_class: type) -> bool:
-    """Whether ``optimizer_class`` needs whole parameters in a chunk; raises for refused classes."""
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-    if issubclass(optimizer_class, REFUSED):
-        raise ValueError(f"{optimizer_class.__name__} cannot run on parameter-server shards (it needs a closure "
-                         "over the whole model or sparse gradients); use it with PoseidonDDP's default mode")
-    return optimizer_class not in ELEMENTWISE
-
+if TYPE_CHECKING:  # the facade's module imports this one, never the other way round
+    from .optimizer import ServerOptimizer
 
 @dataclass(eq=False)
 class Piece:
@@ -85,9 +70,11 @@ class Piece:
     def whole(self) -> bool:
         return self.lo == 0 and self.hi == self.param.numel()
 
-    def live(self) -> Tensor:
-        """The parameter's current values of this piece, shaped as the piece."""
-        return self.param.detach().reshape(-1)[self.lo:self.hi].view(self.tensor.shape)
+    def live(self, source: Callable[[torch.nn.Parameter], Tensor] | None = None) -> Tensor:
+        """The parameter's current values of this piece (or those ``source`` gives for it), shaped as
+        the piece."""
+        values = self.param if source is None else source(self.param)
+        return values.detach().reshape(-1)[self.lo:self.hi].view(self.tensor.shape)
 
     def view_of(self, flat: Tensor) -> Tensor:
         return flat[self.flat_start:self.flat_start + self.hi - self.lo].view(self.tensor.shape)
@@ -121,7 +108,7 @@ class BucketShard:
         self.grads: list[Tensor | None] = [None] * len(pieces)  #: staged for this pass's update
         self.undo: dict[Tensor, dict | None] | None = None  #: the state before this pass's step, while it may abort
         if pieces:
-            inner_groups = [{**_hyper(facade.param_groups[g]), "params": by_group[g]} for g in self.groups]
+            inner_groups = [{**hyperparameters(facade.param_groups[g]), "params": by_group[g]} for g in self.groups]
             self.inner = facade.optimizer_class(inner_groups, **facade.init_kwargs)
 
     def stage(self, grads: Sequence[Tensor | None]) -> None:
@@ -132,11 +119,12 @@ class BucketShard:
         """Sum of squares of the staged gradients (float64)."""
         return sum(float(g.double().square().sum()) for g in self.grads if g is not None)
 
-    def step(self, out: Tensor, hyper: Sequence[dict], scale: float | None = None, keep_undo: bool = False) -> None:
+    def step(self, out: Tensor, hyper: Sequence[dict], scale: float | None = None, keep_undo: bool = False,
+             source: Callable[[torch.nn.Parameter], Tensor] | None = None) -> None:
         """Step every piece with a staged gradient (times ``scale`` when given), starting from the
-        live parameter, with the hyperparameters ``hyper`` (per user param group), and write every
-        piece's value into its place in ``out`` (a bucket's flat buffer). ``keep_undo``: keep a copy of
-        the state it replaces (:meth:`roll_back`)."""
+        live parameter (or the values ``source`` gives: Pipe-SGD's newest), with the hyperparameters
+        ``hyper`` (per user param group), and write every piece's value into its place in ``out`` (a
+        bucket's flat buffer). ``keep_undo``: keep a copy of the state it replaces (:meth:`roll_back`)."""
         grads, self.grads = self.grads, [None] * len(self.pieces)
         if self.inner is None:
             return
@@ -145,7 +133,7 @@ class BucketShard:
                 if grad is not None:
                     grad.mul_(scale)
         for piece, grad in zip(self.pieces, grads):
-            piece.tensor.copy_(piece.live())
+            piece.tensor.copy_(piece.live(source))
             piece.tensor.grad = grad
         for inner_group, g in zip(self.inner.param_groups, self.groups):
             inner_group.update(hyper[g])
@@ -198,25 +186,12 @@ class BucketShard:
                    for v in state.values() if isinstance(v, Tensor))
 
 
-def _max_norm(value: Any) -> float | None:
-    """``max_grad_norm`` checked: None, or a finite number > 0."""
-    if value is None:
-        return None
-    number = None
-    if isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point():
-        number = float(value)
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-        number = float(value)
-    if number is None or not (math.isfinite(number) and number > 0):
-        raise ValueError(f"max_grad_norm must be a finite number > 0 (or None: no clipping), got {value!r}")
-    return number
-
-
 def _copied(state: dict | None) -> dict | None:
     return None if not state else {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
-def _hyper(group: dict) -> dict:
+def hyperparameters(group: dict) -> dict:
+    """A param group's hyperparameters (everything but its parameters)."""
     return {k: v for k, v in group.items() if k != "params"}
 
 
@@ -256,8 +231,10 @@ def merge_exports(exports: Iterable[dict], shapes: dict[int, torch.Size]) -> dic
 class Server:
     """This rank's shards: one :class:`BucketShard` per bucket, rebuilt when the buckets change."""
 
-    def __init__(self, facade: ServerOptimizer) -> None:
+    def __init__(self, facade: ServerOptimizer,
+                 source: Callable[[torch.nn.Parameter], Tensor] | None = None) -> None:
         self.facade = facade
+        self.source = source  #: where a step starts from (None: the live parameters)
         self.shards: dict[int, BucketShard] = {}
         self.hyper: list[dict] = []  #: the pass's hyperparameters per user param group
         self.scale: float | None = None  #: the pass's clipping factor, once known
@@ -273,7 +250,7 @@ class Server:
     def begin_pass(self) -> None:
         """A synced pass opens: its updates use the hyperparameters in effect now (an LR scheduler
         stepped after ``step()`` must not reach jobs of this pass that are still running)."""
-        self.hyper = [_hyper(g) for g in self.facade.param_groups]
+        self.hyper = [hyperparameters(g) for g in self.facade.param_groups]
         self.facade.forget_consolidated()  # this pass's updates change the state
         self.scale = None
         if self.facade.max_grad_norm is not None:
@@ -316,7 +293,7 @@ class Server:
 
     def update(self, bucket: Bucket) -> None:
         """Step this rank's pieces of ``bucket`` with their staged gradients; new values into its buffer."""
-        self.shard(bucket).step(bucket.flat, self.hyper, self.scale, keep_undo=self._may_abort)
+        self.shard(bucket).step(bucket.flat, self.hyper, self.scale, keep_undo=self._may_abort, source=self.source)
 
     def facts_known(self, aborted: bool) -> None:
         """The pass's facts are in (training thread): not aborted, every step stands and later ones
@@ -442,203 +419,3 @@ def apply_values(bucket: Bucket) -> None:
         for used, (p, value) in zip(bucket.used_anywhere.tolist(), bucket.views()):
             if used:
                 p.copy_(value)
-
-
-class ServerOptimizer(torch.optim.Optimizer):
-    """The user's optimizer, run by the parameter-server shards of a :class:`PoseidonDDP`.
-
-    ``ServerOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)`` (or ``params=`` param
-    groups over ``model``'s parameters, as for any torch optimizer). From then on each synced
-    ``backward()`` is one optimizer step: the owner of each 2 MB chunk applies the update with the
-    chunk's optimizer state (1/P of it per rank), and the new values are pulled. ``step()`` waits until
-    every parameter holds its new value (with ``lazy_pull=True`` it returns at once, and each layer's
-    new values land just before its next forward). ``zero_grad()`` is harmless: the server spends the
-    gradients.
-
-    Gradient clipping by the global norm is an option here, ``max_grad_norm=1.0``: the owners scale
-    the averaged gradients as ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` would before
-    ``step()``, and :attr:`last_grad_norm` is the norm it returns. ``clip_grad_norm_`` itself, called
-    between ``backward()`` and ``step()``, cannot work: the update already ran on the servers. ``state_dict()`` after ``consolidate_state_dict(to)`` on every rank, as
-    ``ZeroRedundancyOptimizer``; ``load_state_dict`` takes torch's format (also a plain optimizer's).
-    """
-
-    #: so that a ``torch.amp.GradScaler`` hands its verdict to :meth:`step` (which refuses it) instead
-    #: of unscaling ``.grad`` and stepping: the shards already stepped on the scaled gradients
-    _step_supports_amp_scaling = True
-
-    def __init__(self, model: Any, optimizer_class: type, params: Iterable | None = None, *,
-                 lazy_pull: bool = False, max_grad_norm: float | None = None, **defaults: Any) -> None:
-        from .ddp import PoseidonDDP
-
-        if not isinstance(model, PoseidonDDP):
-            raise TypeError(f"ServerOptimizer needs the PoseidonDDP that trains the model, got {type(model).__name__}")
-        self.aligned = chunks_must_align(optimizer_class)
-        self.optimizer_class = optimizer_class
-        self.lazy_pull = bool(lazy_pull)
-        self._max_grad_norm = _max_norm(max_grad_norm)
-        self.model = model
-        # the class's own defaults, completed as it completes them, so param_groups read as torch's
-        defaults = optimizer_class([torch.zeros(1)], **defaults).defaults
-        super().__init__(list(model.parameters()) if params is None else params, defaults)
-        accepted = inspect.signature(optimizer_class).parameters
-        #: the defaults the class takes as arguments (the groups carry every hyperparameter anyway)
-        self.init_kwargs = {k: v for k, v in defaults.items() if k in accepted}
-        optimizable = [p for g in self.param_groups for p in g["params"]]
-        # frozen parameters may be listed, as torch allows (never stepped: they get no gradient), so that
-        # the default groups and their state_dict keys are those of ``optimizer_class(model.parameters())``
-        own = {id(p) for p in model.module.parameters()}
-        outside = [i for i, p in enumerate(optimizable) if id(p) not in own]
-        if outside:
-            raise ValueError(f"ServerOptimizer optimizes the parameters of the model it serves; "
-                             f"parameter(s) {outside[:8]} (in param group order) are not among them (keep "
-                             "parameters outside the model, e.g. a learnable loss weight, in an optimizer of their own)")
-        self.key_of = {id(p): i for i, p in enumerate(optimizable)}
-        self.group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        self.shapes = {i: p.shape for i, p in enumerate(optimizable)}  #: per state_dict key
-        self._consolidated: dict | None = None
-        self._consolidated_to: int | None = None  #: the rank the last consolidation gathered on
-        synced = {id(p) for p in model.engine.params} if model.engine is not None else set()
-        #: listed parameters that were frozen when the model was wrapped: no bucket syncs them
-        self._unsynced = [(n, p) for n, p in model.module.named_parameters()
-                          if id(p) in self.key_of and id(p) not in synced]
-        missing = [n for n, p in model.module.named_parameters() if p.requires_grad and id(p) not in self.key_of]
-        if missing:
-            raise ValueError("ServerOptimizer must optimize every trainable parameter of the model; "
-                             f"missing: {missing[:8]}")
-        self._inner_probe()
-        self._initialized = True
-        model.attach_server(self)
-
-    @classmethod
-    def from_optimizer(cls, model: Any, optimizer: torch.optim.Optimizer, **server_options: Any) -> ServerOptimizer:
-        """The same class, param groups and hyperparameters as ``optimizer`` (a torch optimizer built over
-        ``model.module``'s parameters that has not stepped yet), run by the shards: for frameworks that
-        build the optimizer themselves (the HF ``Trainer``). ``server_options``: ``lazy_pull``,
-        ``max_grad_norm``."""
-        if optimizer.state:
-            raise ValueError("ServerOptimizer.from_optimizer takes an optimizer that has not stepped yet (its state "
-                             "would be lost); load a checkpoint into the ServerOptimizer instead")
-        accepted = inspect.signature(type(optimizer)).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        groups = [{**group, "params": list(group["params"])} for group in optimizer.param_groups]
-        return cls(model, type(optimizer), groups, **server_options, **defaults)
-
-    def _inner_probe(self) -> None:
-        """Build the class once on the user's groups, so bad hyperparameters fail here, on every rank."""
-        probe = [{**_hyper(g), "params": [torch.zeros(1, dtype=g["params"][0].dtype)]} for g in self.param_groups
-                 if g["params"]]
-        self.optimizer_class(probe, **self.init_kwargs)
-
-    def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_initialized", False):
-            raise NotImplementedError("ServerOptimizer.add_param_group after construction is not supported: the "
-                                      "shards are planned over the model's parameters once; construct it with all groups")
-        super().add_param_group(param_group)
-
-    def describe(self) -> tuple:
-        """What every rank must agree on (checked across ranks when the model attaches this)."""
-        groups = [(repr(sorted(_hyper(g).items())), [self.key_of[id(p)] for p in g["params"]])
-                  for g in self.param_groups]
-        name = f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}"
-        return name, self.lazy_pull, self.max_grad_norm, groups
-
-    @property
-    def server(self) -> Server:
-        return self.model.engine.server
-
-    @property
-    def max_grad_norm(self) -> float | None:
-        """The clipping threshold (fixed at construction: every rank's plan depends on it)."""
-        return self._max_grad_norm
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """With ``max_grad_norm``: the global norm of the averaged gradients before clipping, of the
-        last synced backward (what ``clip_grad_norm_`` returns; with lazy pulls it waits for that step's
-        norm, not for its pulls); None without clipping, before the first step, or after a backward that
-        raised (that step is skipped)."""
-        if self.max_grad_norm is None or self.model.engine.backward_raised():
-            return None
-        return self.server.wait_norm(self.model.engine.timeout)
-
-    def step(self, closure: Any = None) -> Any:
-        """The update already ran at the shards during ``backward()``: wait until every parameter holds
-        its new value (unless ``lazy_pull``). With a ``closure`` (forward and backward, as Lightning
-        passes it), call it first, as torch's optimizers do: its backward runs the update; returns its
-        loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        scaled = self.__dict__.pop("found_inf", None) is not None
-        self.__dict__.pop("grad_scale", None)
-        if scaled:
-            raise RuntimeError(
-                "ServerOptimizer does not support torch.amp.GradScaler: the shards apply the update "
-                "during backward(), on the gradients as they arrive, so a scaler can neither unscale them "
-                "nor skip a step with inf/NaN; this backward's update already used the scaled gradients. "
-                "Use bf16 autocast (no scaler), or PoseidonDDP with a plain optimizer and the scaler")
-        unfrozen = [name for name, p in self._unsynced if p.requires_grad]  # the same on every rank, used or not
-        if unfrozen:
-            raise RuntimeError(f"parameter(s) {unfrozen[:8]} were frozen when the model was wrapped and have a gradient "
-                               "now: nothing syncs or steps them; unfreeze before wrapping with PoseidonDDP (or wrap again)")
-        if not self.lazy_pull:
-            self.model.synchronize()
-        return loss
-
-    def local_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds."""
-        return self.server.state_bytes()
-
-    def forget_consolidated(self) -> None:
-        """A step's updates begin: a state gathered before them is stale (``state_dict()`` refuses)."""
-        self._consolidated = self._consolidated_to = None
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the whole optimizer state on rank ``to`` (collective: every rank calls it)."""
-        self.model.engine.finish_aborted_pass()  # a skipped step's state taken back first
-        self.model.synchronize()
-        exports = self.model.engine.gather_objects(self.server.export(), to)
-        self._consolidated, self._consolidated_to = None, to
-        if exports is not None:
-            self._consolidated = merge_exports(exports, self.shapes)
-
-    def state_dict(self) -> dict:
-        """torch's optimizer format: after :meth:`consolidate_state_dict` on every rank, on rank ``to``.
-        While no step has made any state (as when accelerate copies the state at set-up, on every rank)
-        it is the empty state, anywhere, with no collective."""
-        if self._consolidated is not None:
-            state = {k: dict(v) for k, v in self._consolidated.items()}
-        elif not self.server.has_state():
-            state = {}
-        elif self._consolidated_to is not None:
-            rank = self.model.engine.rank
-            raise RuntimeError(f"the optimizer state was consolidated on rank {self._consolidated_to}, not on this rank "
-                               f"({rank}): call state_dict() there, or consolidate_state_dict(to={rank}) on every rank")
-        else:
-            raise RuntimeError("call consolidate_state_dict(to=...) on every rank first (as with "
-                               "ZeroRedundancyOptimizer), then state_dict() on rank `to`")
-        groups = [{**_hyper(g), "params": [self.key_of[id(p)] for p in g["params"]]} for g in self.param_groups]
-        return {"state": state, "param_groups": groups}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load torch's format (every rank the whole dict; each keeps its pieces' parts)."""
-        groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("loaded state_dict has param groups of other sizes than this optimizer's")
-        self.model.engine.finish_aborted_pass()  # or a skipped step's roll-back would land on the loaded state
-        self.model.synchronize()
-        for group, saved in zip(self.param_groups, groups):
-            group.update(_hyper(saved))
-        state = {int(k): v for k, v in state_dict["state"].items()}
-        for key, entry in state.items():
-            shape = self.shapes[key]
-            for name, value in entry.items():
-                if isinstance(value, Tensor) and value.dim() > 0 and value.shape != shape:
-                    raise ValueError(f"state {name!r} of parameter {key} has shape {tuple(value.shape)}, "
-                                     f"the parameter {tuple(shape)}")
-        self.server.load(state)
-        self.forget_consolidated()
-
-    def __repr__(self) -> str:
-        return f"ServerOptimizer({self.optimizer_class.__name__}, {len(self.param_groups)} group(s))"

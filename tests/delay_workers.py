@@ -116,15 +116,19 @@ class SlowPath:
         return (yield from self.inner.sync(bucket, groups, ctx))
 
 
-def overlap(rank: int, world_size: int, delay: int, seconds: float) -> dict:
-    """Steps whose sync jobs each take ``seconds``: how long ``backward()`` took, and whether every
-    job of its pass was done when it returned."""
+def overlap(rank: int, world_size: int, delay: int, seconds: float, server: bool = False) -> dict:
+    """Steps whose sync jobs each take ``seconds``: how long ``backward()`` and ``step()`` took, and
+    whether every job of its pass was done when they returned."""
     spec = ModelSpec(widths=(8, 8))
     model = build(spec, seed=0)
-    wrapped = PoseidonDDP(model, timeout=60, delay=delay, hybrid=False)
-    for path in list(wrapped.engine.paths):
-        wrapped.engine.paths[path] = SlowPath(wrapped.engine.paths[path], seconds)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapped = PoseidonDDP(model, timeout=60, delay=0 if server else delay, hybrid=False)
+    if server:
+        opt = _server_optimizer(wrapped, "sgd", delay=delay)
+        wrapped.engine._server_path = SlowPath(wrapped.engine._server_path, seconds)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for path in list(wrapped.engine.paths):
+            wrapped.engine.paths[path] = SlowPath(wrapped.engine.paths[path], seconds)
     backward_s, done_at_return = [], []
     for step in range(4):
         opt.zero_grad()
@@ -132,12 +136,52 @@ def overlap(rank: int, world_size: int, delay: int, seconds: float) -> dict:
         loss = F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2))
         start = time.monotonic()
         loss.backward()
+        opt.step()
         backward_s.append(time.monotonic() - start)
         engine = wrapped.engine
         done_at_return.append(all(engine.core.done(b.index) for b in engine.buckets))
-        opt.step()
     wrapped.close()
     return {"backward_s": backward_s, "done_at_return": done_at_return}
+
+
+def server_checkpoint_resume(rank: int, world_size: int, delay: int) -> dict:
+    """As :func:`checkpoint_resume` with ``ServerOptimizer(AdamW, delay=k)``: the optimizer state
+    consolidated on every rank in turn, the values in flight carried by the consistency state."""
+    spec = ModelSpec(widths=(8, 5))
+
+    def steps(wrapped, opt, first: int, last: int) -> None:
+        for step in range(first, last):
+            x, y = batch(spec, step, 3, world_size)
+            F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
+            opt.step()
+
+    def fresh(seed: int):
+        model = build(spec, seed=seed)
+        wrapped = PoseidonDDP(model, timeout=60)
+        return model, wrapped, _server_optimizer(wrapped, "adamw", delay=delay)
+
+    model, wrapped, opt = fresh(spec.seed)
+    steps(wrapped, opt, 0, 6)
+    straight = {"held": wrapped.consistency_state_dict()["held"], "state": dict(model.state_dict())}
+    wrapped.close()
+
+    model, wrapped, opt = fresh(spec.seed)
+    steps(wrapped, opt, 0, 3)
+    for to in range(world_size):
+        opt.consolidate_state_dict(to=to)
+        if to == rank:
+            saved_opt = opt.state_dict()
+    saved = {"model": {k: v.clone() for k, v in wrapped.state_dict().items()}, "opt": saved_opt,
+             "delay": wrapped.consistency_state_dict()}
+    wrapped.close()
+    model, wrapped, opt = fresh(spec.seed + 1)
+    wrapped.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    wrapped.load_consistency_state_dict(saved["delay"])
+    steps(wrapped, opt, 3, 6)
+    resumed = {"held": wrapped.consistency_state_dict()["held"], "state": dict(model.state_dict())}
+    wrapped.close()
+    return {"straight": straight, "resumed": resumed}
 
 
 def checkpoint_resume(rank: int, world_size: int, delay: int, optimizer: str) -> dict:
@@ -190,6 +234,9 @@ def refused(rank: int, world_size: int, what: str) -> str:
             PoseidonDDP(model, delay=True)
         elif what == "differs":
             PoseidonDDP(model, delay=rank)
+        elif what.startswith("server_"):
+            wrapped = PoseidonDDP(model)
+            ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, delay=-1 if what == "server_negative" else rank)
         else:
             wrapped = PoseidonDDP(model, delay=1)
             if what == "join":
@@ -202,3 +249,65 @@ def refused(rank: int, world_size: int, what: str) -> str:
     except Exception as exc:  # the test reads type and message
         return f"{type(exc).__name__}: {exc}"
     return ""
+
+
+def _server_optimizer(wrapped: PoseidonDDP, optimizer: str, **options):
+    from poseidon_torch import ServerOptimizer
+
+    cls, kwargs = (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.01)) if optimizer == "adamw" else \
+        (torch.optim.SGD, OPTIMIZER)
+    return ServerOptimizer(wrapped, cls, **options, **kwargs)
+
+
+def train_server_delayed(rank: int, world_size: int, spec: ModelSpec, delay: int | None, steps: int, size: int,
+                         optimizer: str = "sgd", options: dict | None = None, lazy_pull: bool = False) -> dict:
+    """``ServerOptimizer(..., delay=k)`` training (``None``: the argument left out); the final state
+    (what the last forward read), the parameters every forward read, the values in flight."""
+    model = build(spec, seed=spec.seed)
+    wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, options))
+    opt = _server_optimizer(wrapped, optimizer, lazy_pull=lazy_pull, **({} if delay is None else {"delay": delay}))
+    paths, read = [], []
+    for step in range(steps):
+        x, y = batch(spec, step, size, world_size)
+        loss = F.mse_loss(wrapped(shard(x, rank, size)), shard(y, rank, size))
+        read.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        paths.append(dict(wrapped.comm_stats.outcome_by_bucket))
+    in_flight = wrapped.consistency_state_dict()
+    wrapped.close()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "paths": paths,
+            "in_flight": in_flight, "read": read}
+
+
+def train_server_delayed_cases(rank: int, world_size: int, spec: ModelSpec, cases: list[tuple], steps: int,
+                               size: int) -> list[dict]:
+    """:func:`train_server_delayed` for each (delay, optimizer, options) of ``cases``."""
+    return [train_server_delayed(rank, world_size, spec, delay, steps, size, optimizer, options)
+            for delay, optimizer, options in cases]
+
+
+def reference_server_delayed(spec: ModelSpec, delay: int, steps: int, size: int, world_size: int,
+                             optimizer: str = "sgd") -> dict:
+    """Pipe-SGD as the servers run it, in one process: the gradient of batch t at the values of step
+    max(t-k, 0), applied at once to the newest values: w_{t+1} = opt(w_t, g_t(w_{max(t-k, 0)})). The
+    values the last step's forward read (w_{steps-1-k}: what the parameters hold after it) and the
+    newest (w_steps)."""
+    model = build(spec, seed=spec.seed)
+    reader = build(spec, seed=spec.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(optimizer, params)
+    history = [{k: v.clone() for k, v in model.state_dict().items()}]
+    for step in range(steps):
+        reader.load_state_dict(history[max(step - delay, 0)])
+        reader.zero_grad()
+        _loss(reader, spec, step, size, world_size).backward()
+        for p, q in zip(model.parameters(), reader.parameters()):
+            p.grad = q.grad
+        opt.step()
+        history.append({k: v.clone() for k, v in model.state_dict().items()})
+    names = [n for n, p in model.named_parameters()]
+    return {"params": {n: history[max(steps - 1 - delay, 0)][n] for n in names},
+            "newest": {n: history[steps][n] for n in names},
+            "read": [{n: history[max(t - delay, 0)][n] for n in names} for t in range(steps)]}

@@ -30,3 +30,9 @@ def test_lightning_example(server):
 def test_hf_example(server):
     pytest.importorskip("transformers")
     assert "loss:" in torchrun("hf_train.py", "--steps", "5", *server)
+
+
+@pytest.mark.parametrize("server", [[], ["--server"]], ids=["default-mode", "server-mode"])
+def test_train_example_with_pipe_sgd(server):
+    out = torchrun("train.py", "--steps", "6", "--warmup", "2", "--delay", "1", "--compare-ddp", *server)
+    assert "PoseidonDDP speed vs torch DDP" in out and "loss" in out

@@ -80,11 +80,12 @@ def test_delay_zero_is_bit_identical_to_bsp(cluster):
             assert torch.equal(value, zero["state"][name]), name
 
 
-def test_backward_returns_while_its_sync_still_runs(cluster):
-    """Every sync job sleeps 0.4 s. Under BSP backward waits for them; with delay=1 it returns with the
-    jobs still running (it fails if step t's sync is waited for at the end of step t's backward)."""
-    bsp = cluster.run(dw.overlap, 0, 0.4)
-    delayed = cluster.run(dw.overlap, 1, 0.4)
+@pytest.mark.parametrize("server", [False, True], ids=["default", "server"])
+def test_backward_returns_while_its_sync_still_runs(cluster, server):
+    """Every sync job sleeps 0.4 s. Under BSP ``backward(); step()`` waits for them; with delay=1 both
+    return with the jobs still running (it fails if step t's sync is waited for at the end of step t)."""
+    bsp = cluster.run(dw.overlap, 0, 0.4, server)
+    delayed = cluster.run(dw.overlap, 1, 0.4, server)
     for rank in range(cluster.world_size):
         # (the first pass's buckets are rebuilt when it closes: from the second pass on)
         assert all(bsp[rank]["done_at_return"][1:]) and min(bsp[rank]["backward_s"]) >= 0.4, bsp[rank]
@@ -126,7 +127,73 @@ def test_no_sync_accumulation_is_one_delayed_step(cluster, force):
     ("negative", "delay must be an int >= 0"), ("bool", "delay must be an int >= 0"),
     ("differs", "options differ"), ("join", "not supported with delay=1"),
     ("server", "not supported yet"), ("wrong_state", "saved with delay=2"),
+    ("server_negative", "delay must be an int >= 0"), ("server_differs", "differs between rank 0 and rank 1"),
 ])
 def test_misuse_is_refused_clearly(cluster, what, message):
     for error in cluster.run(dw.refused, what):
         assert message in error, error
+
+
+# ---- parameter-server mode: ServerOptimizer(..., delay=k) ------------------------------------------
+
+SERVER_MATRIX = [(k, opt, force, engine) for k in (1, 2) for opt in ("sgd", "adamw") for force in (None, "PS", "SFB")
+                 for engine in ("native", "python")]
+
+
+def assert_server_delayed(results: list[dict], reference: dict, what: str) -> None:
+    """Every forward read w_{t-k} (neither fresher nor staler), the newest values are those of the
+    recurrence w_{t+1} = opt(w_t, g_t(w_{max(t-k, 0)})), on every rank, bit-identical between ranks."""
+    assert_delayed_parity(results, reference, what)
+    for rank, result in enumerate(results):
+        for step, (ours, theirs) in enumerate(zip(result["read"], reference["read"])):
+            for name, value in theirs.items():
+                torch.testing.assert_close(ours[name], value, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{what}: rank {rank} forward {step} read {name}: {m}")
+        newest = dict(result["in_flight"]["held"][-1][1])
+        for name, value in reference["newest"].items():
+            torch.testing.assert_close(newest[name], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{what}: rank {rank} newest {name}: {m}")
+
+
+def test_server_delay_follows_the_pipe_sgd_recurrence(cluster):
+    """k = 1, 2 x SGD momentum, AdamW x hybrid, PS, SFB (forced) x both cores."""
+    spec = ModelSpec(widths=(8, 5))
+    cases = [(k, opt, {"force": force, "engine": engine} if force else {"engine": engine})
+             for k, opt, force, engine in SERVER_MATRIX]
+    results = cluster.run(dw.train_server_delayed_cases, spec, cases, STEPS, 3, timeout=400)
+    for i, (k, opt, force, engine) in enumerate(SERVER_MATRIX):
+        what = f"server delay={k} {opt} {force or 'hybrid'} {engine}"
+        reference = dw.reference_server_delayed(spec, k, STEPS, 3, cluster.world_size, opt)
+        assert_server_delayed([r[i] for r in results], reference, what)
+        if force:
+            assert set(results[0][i]["paths"][-1].values()) == {force}, what
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=st.one_of(model_specs(), fc_specs()), k=st.sampled_from([1, 2]), opt=st.sampled_from(["sgd", "adamw"]),
+       force=st.sampled_from([None, "PS", "SFB"]))
+def test_server_delay_generated_models(cluster, spec, k, opt, force):
+    options = {"force": force} if force else {"fusion_bytes": 512}
+    results = cluster.run(dw.train_server_delayed, spec, k, STEPS, 2, opt, options, timeout=200)
+    reference = dw.reference_server_delayed(spec, k, STEPS, 2, cluster.world_size, opt)
+    assert_server_delayed(results, reference, str(spec))
+
+
+def test_server_delay_zero_is_bit_identical(cluster):
+    spec = ModelSpec(widths=(8, 5))
+    results = cluster.run(dw.train_server_delayed_cases, spec, [(None, "adamw", {}), (0, "adamw", {})], STEPS, 3)
+    for default, zero in results:
+        for name, value in default["state"].items():
+            assert torch.equal(value, zero["state"][name]), name
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_server_checkpoint_carries_the_values_in_flight(cluster, k):
+    for rank, result in enumerate(cluster.run(dw.server_checkpoint_resume, k)):
+        straight, resumed = result["straight"]["held"], result["resumed"]["held"]
+        assert [offset for offset, _ in straight] == [offset for offset, _ in resumed] and len(straight) == k + 1
+        for (_, ours), (_, theirs) in zip(resumed, straight):
+            for name, value in theirs.items():
+                assert torch.equal(ours[name], value), f"rank {rank}: {name} in flight after resuming"
+        for name, value in result["straight"]["state"].items():
+            assert torch.equal(result["resumed"]["state"][name], value), f"rank {rank}: {name} after resuming"

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NoReturn
 
+import torch
+
 from poseidon_torch.bench.netns import HOST_IFACE, EmulatedCluster, NetnsUnavailable, signals_deferred
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -217,7 +219,11 @@ def write_report(out: Path, report: dict, plot: Callable[[dict, Path], None], ta
 
 def worker_main(run: Callable[[], None], timeout: float, label: str) -> int:
     """A rank's body: ``run()`` under a watchdog that dumps every thread's stack and exits after ``timeout``;
-    0, or 1 with the traceback and a one-line reason naming ``label`` and the rank."""
+    0, or 1 with the traceback and a one-line reason naming ``label`` and the rank. Subnormal floats are
+    flushed to zero: on CPU they cost 5-8x per operation (the ``gpt2`` workload's SGD steps make some,
+    and its iterations then took 6 s instead of 0.8 s for a few steps), which would time the numerics of
+    one trajectory instead of the modes: every mode of every benchmark runs with the same setting."""
+    torch.set_flush_denormal(True)
     faulthandler.dump_traceback_later(timeout, exit=True)
     try:
         run()

@@ -107,10 +107,13 @@ class Recorder:
                 self.add(kind, name, lane, since, now, path=path)
             kind, since = following, now
 
-    def end_iteration(self) -> None:
+    def end_iteration(self, began_ns: int | None = None) -> None:
+        """The iteration whose pass closes now ended; it began at ``began_ns`` (its round's first
+        forward: earlier than the latest :meth:`start_iteration` when the pass was deferred)."""
         if not self.active:
             return
-        self.add("iteration", "iteration", "compute", self._iteration_start, time.monotonic_ns())
+        began = self._iteration_start if began_ns is None else began_ns
+        self.add("iteration", "iteration", "compute", began, time.monotonic_ns())
         if self._iteration + 1 == self.config.skip + self.config.iters:
             self.active = False
             self._write()
