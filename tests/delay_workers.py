@@ -154,6 +154,7 @@ def server_checkpoint_resume(rank: int, world_size: int, delay: int) -> dict:
             x, y = batch(spec, step, 3, world_size)
             F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
             opt.step()
+            opt.zero_grad()  # a checkpoint carries no .grad: what is pushed must not depend on one
 
     def fresh(seed: int):
         model = build(spec, seed=seed)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from ..ddp import PoseidonDDP
-from ..server import ServerOptimizer
+from ..optimizer import ServerOptimizer
 
 
 class PoseidonTrainer(Trainer):

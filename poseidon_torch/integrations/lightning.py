@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from ..ddp import PoseidonDDP
-from ..server import ServerOptimizer
+from ..optimizer import ServerOptimizer
 
 
 class PoseidonStrategy(DDPStrategy):
