@@ -102,7 +102,13 @@ class BSP:
     def before_forward(self) -> None:
         pass
 
+    def before_backward(self, params: Sequence[nn.Parameter]) -> None:
+        pass
+
     def forget_values(self) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def writer_for_settle(self) -> GradWriter | None:
@@ -139,6 +145,22 @@ class Delayed(BSP):
             raise ValueError(f"Delayed needs delay >= 1, got {delay}")
         self.delay = delay
         self._pipeline: deque[_InFlight] = deque()
+        #: id(param) -> (the averaged gradient handed to it, that tensor's version then)
+        self._handed: dict[int, tuple[Tensor, int]] = {}
+
+    def before_backward(self, params: Sequence[nn.Parameter]) -> None:
+        """A synced backward starts: the averaged gradients the last one handed out must have been used
+        and cleared (each synced backward is one step of the pipeline). Accumulating on top of them
+        (several synced backwards per optimizer step, or no ``zero_grad()`` at all) would sync a mix of
+        steps: refused."""
+        kept = [p for p in params if id(p) in self._handed and p.grad is self._handed[id(p)][0]
+                and p.grad._version == self._handed[id(p)][1]]
+        if kept:
+            raise RuntimeError(
+                f"PoseidonDDP(delay={self.delay}): a synced backward started while .grad still holds, untouched, the "
+                f"averaged gradients the last backward handed out ({len(kept)} parameter(s)): each synced backward is "
+                "one step of the pipeline, so step and call zero_grad() between synced backwards; accumulate "
+                "micro-batches under no_sync()")
 
     def writer_for_settle(self) -> GradWriter:
         """The oldest pass not yet averaged: the one that settles (passes settle in order)."""
@@ -167,6 +189,7 @@ class Delayed(BSP):
         held = due.grads.grads if due is not None else {}
         for p in params:
             p.grad = held.get(id(p))
+        self._handed = {id(p): (p.grad, p.grad._version) for p in params if p.grad is not None}
 
     def state_dict(self, names: dict[int, str]) -> dict:
         """The averaged gradients in flight, oldest first, by parameter name (every pass settled)."""
@@ -177,25 +200,54 @@ class Delayed(BSP):
                               for entry in self._pipeline]}
 
     def load_state_dict(self, state: dict, params: dict[str, nn.Parameter]) -> None:
-        _check_delay(state, self.delay)
-        pipeline = deque()
-        for grads in state["in_flight"]:
-            unknown = set(grads) - set(params)
-            if unknown:
-                raise ValueError(f"Pipe-SGD state names parameters this model does not sync: {sorted(unknown)}")
-            held = {id(params[name]): grad.to(params[name].device, params[name].dtype).clone()
-                    for name, grad in grads.items()}
-            pipeline.append(_InFlight(HeldGrads(held), averaged=True))
-        if len(pipeline) > self.delay:
-            raise ValueError(f"Pipe-SGD state holds {len(pipeline)} passes in flight, more than delay={self.delay}")
-        self._pipeline = pipeline
+        entries = _checked_entries(state, self.delay, "in_flight", params)
+        if len(entries) > self.delay:
+            raise ValueError(f"Pipe-SGD state holds {len(entries)} passes in flight, more than delay={self.delay}")
+        self._pipeline = deque(_InFlight(HeldGrads({id(params[n]): t for n, t in grads.items()}), averaged=True)
+                               for grads in entries)
+        self._handed = {}
 
 
-def _check_delay(state: dict, delay: int) -> None:
+#: what each mode's state holds its entries under, and the mode's name
+_ENTRIES = {"in_flight": "PoseidonDDP(delay=k) (averaged gradients)", "held": "ServerOptimizer(delay=k) (values)"}
+
+
+def _check_delay(state: object, delay: int) -> None:
     if not isinstance(state, dict) or "delay" not in state:
-        raise ValueError(f"not a PoseidonDDP consistency state: {type(state).__name__}")
-    if state["delay"] != delay:
-        raise ValueError(f"the state was saved with delay={state['delay']}, this PoseidonDDP has delay={delay}")
+        raise ValueError(f"not a PoseidonDDP consistency state (a dict from consistency_state_dict()): {state!r:.80}")
+    saved = state["delay"]
+    if not isinstance(saved, int) or isinstance(saved, bool) or saved != delay:
+        raise ValueError(f"the state was saved with delay={saved!r}, this PoseidonDDP has delay={delay}")
+
+
+def _checked_entries(state: object, delay: int, key: str, params: dict[str, nn.Parameter]) -> list[dict]:
+    """The entries of a saved state, each ``{name: tensor}`` converted to its parameter's device and dtype,
+    after checking all of it (nothing is changed when a check fails)."""
+    _check_delay(state, delay)
+    if key not in state:
+        other = next((k for k in _ENTRIES if k in state), None)
+        saved_by = f"saved by {_ENTRIES[other]}" if other else "without entries"
+        raise ValueError(f"the consistency state was {saved_by}; this model runs {_ENTRIES[key]}")
+    entries = state[key]
+    if not isinstance(entries, list):
+        raise ValueError(f"consistency state {key!r} must be a list, got {type(entries).__name__}")
+    checked = []
+    for entry in entries:
+        if key == "held" and not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], int)):
+            raise ValueError(f"consistency state 'held' entries are (steps from now, {{name: tensor}}), got {entry!r:.80}")
+        values = entry[1] if key == "held" else entry
+        if not isinstance(values, dict):
+            raise ValueError(f"consistency state {key!r} holds a {type(values).__name__}, not {{name: tensor}}")
+        converted = {}
+        for name, value in values.items():
+            if name not in params:
+                raise ValueError(f"Pipe-SGD state names a parameter this model does not sync: {name!r}")
+            if not isinstance(value, Tensor) or value.shape != params[name].shape:
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(f"Pipe-SGD state for {name!r} is {shape}, the parameter is {tuple(params[name].shape)}")
+            converted[name] = value.detach().to(params[name].device, params[name].dtype).clone()
+        checked.append((entry[0], converted) if key == "held" else converted)
+    return checked
 
 
 def consistency_for(delay: int) -> BSP | Delayed:
@@ -229,6 +281,7 @@ class DelayedValues(BSP):
         self._filling: dict[nn.Parameter, Tensor] = {}
         self._held: deque[tuple[int, dict[nn.Parameter, Tensor]]] = deque()  #: (pass, values), oldest first
         self._newest: dict[int, Tensor] = {}  #: id(param) -> its newest value (what the owners step from)
+        self._restored = False  #: values loaded from a checkpoint, no forward since: loading the model keeps them
 
     def value_source(self, param: nn.Parameter) -> Tensor:
         return self._newest.get(id(param), param)
@@ -245,18 +298,37 @@ class DelayedValues(BSP):
         self._newest.update((id(p), value) for p, value in values.items())
 
     def backward_returned(self, buckets: Sequence[Bucket], averaged: bool) -> None:
+        """A step ended: the values its successor reads land now (the parameters always hold what the
+        next forward reads, for ``state_dict()`` and evaluation as much as for training)."""
         self._ended += 1
+        self._apply_due()
 
     def before_forward(self) -> None:
+        self._restored = False
+        self._apply_due()
+
+    def _apply_due(self) -> None:
         """Apply the values of every pass n <= ended - 1 - k (the forward of step t reads step t-1-k's)."""
         while self._held and self._held[0][0] <= self._ended - 1 - self.delay:
-            _, values = self._held.popleft()
-            with torch.no_grad():
-                for p, value in values.items():
-                    p.copy_(value)
+            self._apply(self._held.popleft()[1])
+
+    @staticmethod
+    def _apply(values: dict[nn.Parameter, Tensor]) -> None:
+        with torch.no_grad():
+            for p, value in values.items():
+                p.copy_(value)
+
+    def flush(self) -> None:
+        """End of training: every value held lands now, the newest last (the pipeline restarts empty)."""
+        while self._held:
+            self._apply(self._held.popleft()[1])
+        self._newest.clear()
 
     def forget_values(self) -> None:
-        """The user loaded parameters: they are the newest values now, nothing held lands on them."""
+        """The user loaded parameters: they are the newest values now, nothing held lands on them;
+        unless the held values were just restored from the same checkpoint (no forward since)."""
+        if self._restored:
+            return
         self._held.clear()
         self._newest.clear()
 
@@ -268,13 +340,10 @@ class DelayedValues(BSP):
                          for n, values in self._held]}
 
     def load_state_dict(self, state: dict, params: dict[str, nn.Parameter]) -> None:
-        _check_delay(state, self.delay)
-        self.forget_values()
-        for offset, values in state["held"]:
-            unknown = set(values) - set(params)
-            if unknown:
-                raise ValueError(f"Pipe-SGD state names parameters this model does not sync: {sorted(unknown)}")
-            held = {params[name]: v.to(params[name].device, params[name].dtype).clone() for name, v in values.items()}
-            self._held.append((self._ended + offset, held))
-            self._newest.update((id(p), value) for p, value in held.items())
-        self._taken = self._ended + (self._held[-1][0] - self._ended + 1 if self._held else 0)
+        """Restore :meth:`state_dict`'s values (checked first: a bad state changes nothing); loading the
+        model's own state before or after this, before the next forward, keeps them."""
+        entries = _checked_entries(state, self.delay, "held", params)
+        self._held = deque((self._ended + offset, {params[n]: v for n, v in values.items()}) for offset, values in entries)
+        self._newest = {id(p): v for _, values in self._held for p, v in values.items()}
+        self._taken = self._ended
+        self._restored = True

@@ -303,12 +303,11 @@ class Engine:
     # ---- autograd side: events ---------------------------------------------------------------------
 
     def _armed_by(self, round_: Round | None) -> None:
-        if self._deferred is not None and self.server is None:
-            self.settle()  # a second synced backward of one forward: the first one's averages first
         if self._deferred is not None:
-            raise RuntimeError("PoseidonDDP with a ServerOptimizer: a second synced backward before the next forward "
-                               "(each synced backward is one optimizer step at the servers); accumulate with "
-                               "no_sync() or run one backward per forward")
+            raise RuntimeError("PoseidonDDP: a second synced backward before the next forward: with a ServerOptimizer "
+                               "or delay=k each synced backward is one optimizer step (its sync runs on after it); "
+                               "accumulate with no_sync() or run one backward per forward")
+        self.consistency.before_backward(self.params)
         task = torch._C._current_graph_task_id()
         with self._lock:
             if task in self._armed or round_ is None:
@@ -834,6 +833,10 @@ class Engine:
             return
         self.closed = True
         try:
+            # a backward that raised in the last step: its collectives let the peers name this rank
+            if self.failure is None:
+                with contextlib.suppress(SyncError):
+                    self.finish_aborted_pass()
             self.drain()
         finally:
             self.core.close()

@@ -201,6 +201,15 @@ class ServerOptimizer(torch.optim.Optimizer):
             self.model.synchronize()
         return loss
 
+    def finish(self) -> None:
+        """End of training: wait for the last step's sync and put the newest values into the parameters.
+        With ``delay=k`` the parameters hold what the next forward would read (k steps behind the
+        servers) until this is called; afterwards they hold the servers' newest values, and training may
+        go on (the pipeline refills). Without ``delay`` it is :meth:`PoseidonDDP.synchronize`. Not
+        collective: every rank computes the same values."""
+        self.model.synchronize()
+        self.model.engine.consistency.flush()
+
     def local_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
         return self.server.state_bytes()

@@ -293,8 +293,8 @@ def reference_server_delayed(spec: ModelSpec, delay: int, steps: int, size: int,
                              optimizer: str = "sgd") -> dict:
     """Pipe-SGD as the servers run it, in one process: the gradient of batch t at the values of step
     max(t-k, 0), applied at once to the newest values: w_{t+1} = opt(w_t, g_t(w_{max(t-k, 0)})). The
-    values the last step's forward read (w_{steps-1-k}: what the parameters hold after it) and the
-    newest (w_steps)."""
+    values the next forward would read (w_{steps-k}: what the parameters hold after the last step), the
+    newest (w_steps), and what every step's forward read."""
     model = build(spec, seed=spec.seed)
     reader = build(spec, seed=spec.seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -309,6 +309,134 @@ def reference_server_delayed(spec: ModelSpec, delay: int, steps: int, size: int,
         opt.step()
         history.append({k: v.clone() for k, v in model.state_dict().items()})
     names = [n for n, p in model.named_parameters()]
-    return {"params": {n: history[max(steps - 1 - delay, 0)][n] for n in names},
+    return {"params": {n: history[max(steps - delay, 0)][n] for n in names},
             "newest": {n: history[steps][n] for n in names},
             "read": [{n: history[max(t - delay, 0)][n] for n in names} for t in range(steps)]}
+
+
+def misused_loop(rank: int, world_size: int, loop: str) -> str:
+    """A loop with more than one synced backward per optimizer step under delay=1: the error, or ""."""
+    spec = ModelSpec(widths=(6,))
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=30, delay=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            x, y = batch(spec, step, 4, world_size)
+            if loop == "accumulate_without_no_sync":
+                for half in (slice(0, 2), slice(2, 4)):
+                    F.mse_loss(wrapped(shard(x, rank, 4)[half]), shard(y, rank, 4)[half]).backward()
+            elif loop == "retained_graph":
+                loss = F.mse_loss(wrapped(shard(x, rank, 4)), shard(y, rank, 4))
+                loss.backward(retain_graph=True)
+                loss.backward()
+            else:  # never zero_grad: the handed-out average would be synced again with the next gradient
+                F.mse_loss(wrapped(shard(x, rank, 4)), shard(y, rank, 4)).backward()
+                opt.step()
+                opt.zero_grad = lambda: None
+            opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        wrapped.close()
+    return ""
+
+
+def raise_in_last_step(rank: int, world_size: int, delay: int) -> dict:
+    """The last rank's backward raises in the last step and it closes its wrapper: how long the others
+    waited and what they got."""
+    spec = ModelSpec(widths=(6,))
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, delay=delay)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outcome = ""
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(spec, step, 2, world_size)
+        out = wrapped(shard(x, rank, 2))
+        if step == 2 and rank == world_size - 1:
+            out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("bad batch")))
+        start = time.monotonic()
+        try:
+            F.mse_loss(out, shard(y, rank, 2)).backward()
+        except (ValueError, SyncError) as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        waited = time.monotonic() - start
+        opt.step()
+    wrapped.close()
+    return {"outcome": outcome, "waited_s": waited}
+
+
+def server_final_model(rank: int, world_size: int, delay: int) -> dict:
+    """ServerOptimizer(delay=k): the parameters after training (what the next forward reads), after an
+    evaluation forward, and after ``finish()``; the newest values held."""
+    spec = ModelSpec(widths=(8, 5))
+    model = build(spec, seed=spec.seed)
+    wrapped = PoseidonDDP(model, timeout=60)
+    opt = _server_optimizer(wrapped, "sgd", delay=delay)
+    for step in range(STEPS_FINAL):
+        x, y = batch(spec, step, 3, world_size)
+        F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
+        opt.step()
+        opt.zero_grad()
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        wrapped(batch(spec, 0, 3, world_size)[0])
+    after_eval = {k: v.clone() for k, v in model.state_dict().items()}
+    newest = dict(wrapped.consistency_state_dict()["held"][-1][1])
+    opt.finish()
+    finished = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped.close()
+    return {"after": after, "after_eval": after_eval, "newest": newest, "finished": finished}
+
+
+STEPS_FINAL = 5
+
+
+def server_resume_order(rank: int, world_size: int, order: str) -> dict:
+    """Resume a ServerOptimizer(delay=1) run loading the checkpoint's parts in ``order``; then a bad
+    consistency state is refused and changes nothing. The newest values after 2 more steps, and what
+    the bad load said."""
+    spec = ModelSpec(widths=(8, 5))
+
+    def steps(wrapped, opt, first: int, last: int) -> None:
+        for step in range(first, last):
+            x, y = batch(spec, step, 3, world_size)
+            F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model = build(spec, seed=spec.seed)
+    wrapped = PoseidonDDP(model, timeout=60)
+    opt = _server_optimizer(wrapped, "sgd", delay=1)
+    steps(wrapped, opt, 0, 3)
+    for to in range(world_size):
+        opt.consolidate_state_dict(to=to)
+        if to == rank:
+            saved_opt = opt.state_dict()
+    saved = {"model": {k: v.clone() for k, v in wrapped.state_dict().items()},
+             "delay": wrapped.consistency_state_dict()}
+    steps(wrapped, opt, 3, 5)
+    straight = dict(wrapped.consistency_state_dict()["held"][-1][1])
+    wrapped.close()
+    model = build(spec, seed=spec.seed + 1)
+    wrapped = PoseidonDDP(model, timeout=60)
+    opt = _server_optimizer(wrapped, "sgd", delay=1)
+    opt.load_state_dict(saved_opt)
+    for part in order.split(","):
+        if part == "model":
+            wrapped.load_state_dict(saved["model"])
+        else:
+            wrapped.load_consistency_state_dict(saved["delay"])
+    errors = []
+    for bad in ({"delay": 1, "in_flight": []}, {"delay": True, "held": []}, {"delay": 1, "held": [(0, {"x": 1})]},
+                {"delay": 1, "held": [(-1, {"head.weight": torch.zeros(2, 2)})]}):
+        try:
+            wrapped.load_consistency_state_dict(bad)
+        except ValueError as exc:
+            errors.append(str(exc))
+    steps(wrapped, opt, 3, 5)
+    resumed = dict(wrapped.consistency_state_dict()["held"][-1][1])
+    wrapped.close()
+    return {"straight": straight, "resumed": resumed, "errors": errors}

@@ -191,9 +191,52 @@ def test_server_delay_zero_is_bit_identical(cluster):
 def test_server_checkpoint_carries_the_values_in_flight(cluster, k):
     for rank, result in enumerate(cluster.run(dw.server_checkpoint_resume, k)):
         straight, resumed = result["straight"]["held"], result["resumed"]["held"]
-        assert [offset for offset, _ in straight] == [offset for offset, _ in resumed] and len(straight) == k + 1
+        assert [offset for offset, _ in straight] == [offset for offset, _ in resumed] and len(straight) == k
         for (_, ours), (_, theirs) in zip(resumed, straight):
             for name, value in theirs.items():
                 assert torch.equal(ours[name], value), f"rank {rank}: {name} in flight after resuming"
         for name, value in result["straight"]["state"].items():
             assert torch.equal(result["resumed"]["state"][name], value), f"rank {rank}: {name} after resuming"
+
+
+# ---- what a break-test found: misuse refused, the last step's exception, the final model ---------------
+
+@pytest.mark.parametrize("loop", ["accumulate_without_no_sync", "retained_graph", "never_zero_grad"])
+def test_more_than_one_synced_backward_per_step_is_refused(cluster, loop):
+    """Each synced backward is one step of the pipeline: a loop that runs two per optimizer step (or
+    never clears the handed-out gradient) would sync a mix of steps; it gets a clear error on every rank."""
+    for error in cluster.run(dw.misused_loop, loop):
+        assert "synced backward" in error and ("no_sync()" in error), error
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_an_exception_in_the_last_step_is_named_at_once(cluster, delay):
+    """The raising rank closes its wrapper after the last step: its close runs the aborted pass's
+    collectives, so the others get the SyncError naming it at once, not a timeout."""
+    results = cluster.run(dw.raise_in_last_step, delay)
+    last = cluster.world_size - 1
+    for rank, result in enumerate(results):
+        if rank == last:
+            assert result["outcome"].startswith("ValueError"), result
+        else:
+            assert f"rank(s) {last}" in result["outcome"] and result["waited_s"] < 20, result
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_server_parameters_are_what_the_next_forward_reads_and_finish_lands_the_newest(cluster, k):
+    reference = dw.reference_server_delayed(ModelSpec(widths=(8, 5)), k, dw.STEPS_FINAL, 3, cluster.world_size)
+    for rank, result in enumerate(cluster.run(dw.server_final_model, k)):
+        for name, value in reference["params"].items():  # the forward of step STEPS_FINAL would read these
+            torch.testing.assert_close(result["after"][name], value, rtol=RTOL, atol=ATOL)
+            assert torch.equal(result["after_eval"][name], result["after"][name]), f"rank {rank}: eval moved {name}"
+            assert torch.equal(result["finished"][name], result["newest"][name]), f"rank {rank}: finish() {name}"
+
+
+@pytest.mark.parametrize("order", ["model,consistency", "consistency,model"])
+def test_server_resume_in_either_order_and_bad_states_change_nothing(cluster, order):
+    for result in cluster.run(dw.server_resume_order, order):
+        assert len(result["errors"]) == 4, result["errors"]
+        assert "saved by PoseidonDDP(delay=k)" in result["errors"][0]
+        assert "delay=True" in result["errors"][1] and "'x'" in result["errors"][2] and "(2, 2)" in result["errors"][3]
+        for name, value in result["straight"].items():
+            assert torch.equal(result["resumed"][name], value), name
