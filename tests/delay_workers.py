@@ -144,17 +144,32 @@ def overlap(rank: int, world_size: int, delay: int, seconds: float, server: bool
     return {"backward_s": backward_s, "done_at_return": done_at_return}
 
 
+def _server_steps(spec: ModelSpec, rank: int, world_size: int, wrapped: PoseidonDDP, opt, first: int,
+                  last: int) -> None:
+    """Steps ``first..last-1`` of parameter-server training (3 samples per rank)."""
+    for step in range(first, last):
+        x, y = batch(spec, step, 3, world_size)
+        F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
+        opt.step()
+        opt.zero_grad()  # a checkpoint carries no .grad: what is pushed must not depend on one
+
+
+def _consolidated_here(opt, rank: int, world_size: int) -> dict:
+    """The whole optimizer state on this rank (consolidated on every rank in turn: collective)."""
+    for to in range(world_size):
+        opt.consolidate_state_dict(to=to)
+        if to == rank:
+            state = opt.state_dict()
+    return state
+
+
 def server_checkpoint_resume(rank: int, world_size: int, delay: int) -> dict:
     """As :func:`checkpoint_resume` with ``ServerOptimizer(AdamW, delay=k)``: the optimizer state
     consolidated on every rank in turn, the values in flight carried by the consistency state."""
     spec = ModelSpec(widths=(8, 5))
 
     def steps(wrapped, opt, first: int, last: int) -> None:
-        for step in range(first, last):
-            x, y = batch(spec, step, 3, world_size)
-            F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
-            opt.step()
-            opt.zero_grad()  # a checkpoint carries no .grad: what is pushed must not depend on one
+        _server_steps(spec, rank, world_size, wrapped, opt, first, last)
 
     def fresh(seed: int):
         model = build(spec, seed=seed)
@@ -168,12 +183,8 @@ def server_checkpoint_resume(rank: int, world_size: int, delay: int) -> dict:
 
     model, wrapped, opt = fresh(spec.seed)
     steps(wrapped, opt, 0, 3)
-    for to in range(world_size):
-        opt.consolidate_state_dict(to=to)
-        if to == rank:
-            saved_opt = opt.state_dict()
-    saved = {"model": {k: v.clone() for k, v in wrapped.state_dict().items()}, "opt": saved_opt,
-             "delay": wrapped.consistency_state_dict()}
+    saved = {"model": {k: v.clone() for k, v in wrapped.state_dict().items()},
+             "opt": _consolidated_here(opt, rank, world_size), "delay": wrapped.consistency_state_dict()}
     wrapped.close()
     model, wrapped, opt = fresh(spec.seed + 1)
     wrapped.load_state_dict(saved["model"])
@@ -401,20 +412,13 @@ def server_resume_order(rank: int, world_size: int, order: str) -> dict:
     spec = ModelSpec(widths=(8, 5))
 
     def steps(wrapped, opt, first: int, last: int) -> None:
-        for step in range(first, last):
-            x, y = batch(spec, step, 3, world_size)
-            F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
-            opt.step()
-            opt.zero_grad()
+        _server_steps(spec, rank, world_size, wrapped, opt, first, last)
 
     model = build(spec, seed=spec.seed)
     wrapped = PoseidonDDP(model, timeout=60)
     opt = _server_optimizer(wrapped, "sgd", delay=1)
     steps(wrapped, opt, 0, 3)
-    for to in range(world_size):
-        opt.consolidate_state_dict(to=to)
-        if to == rank:
-            saved_opt = opt.state_dict()
+    saved_opt = _consolidated_here(opt, rank, world_size)
     saved = {"model": {k: v.clone() for k, v in wrapped.state_dict().items()},
              "delay": wrapped.consistency_state_dict()}
     steps(wrapped, opt, 3, 5)
