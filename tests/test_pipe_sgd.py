@@ -72,9 +72,11 @@ def test_each_step_applies_the_gradient_of_exactly_k_steps_earlier(cluster, k):
     assert not torch.allclose(fresher[k]["body.0.weight"], results[0]["grads"][k]["body.0.weight"])
 
 
-def test_delay_zero_is_bit_identical_to_bsp(cluster):
+@pytest.mark.parametrize("cases", ["train_delayed_cases", "train_server_delayed_cases"], ids=["default", "server"])
+def test_delay_zero_is_bit_identical_to_bsp(cluster, cases):
+    """``delay=0`` and the argument left out give the same bits (PoseidonDDP, or ServerOptimizer)."""
     spec = ModelSpec(widths=(8, 5))
-    results = cluster.run(dw.train_delayed_cases, spec, [(None, "adamw", {}), (0, "adamw", {})], STEPS, 3)
+    results = cluster.run(getattr(dw, cases), spec, [(None, "adamw", {}), (0, "adamw", {})], STEPS, 3)
     for default, zero in results:
         for name, value in default["state"].items():
             assert torch.equal(value, zero["state"][name]), name
@@ -177,14 +179,6 @@ def test_server_delay_generated_models(cluster, spec, k, opt, force):
     results = cluster.run(dw.train_server_delayed, spec, k, STEPS, 2, opt, options, timeout=200)
     reference = dw.reference_server_delayed(spec, k, STEPS, 2, cluster.world_size, opt)
     assert_server_delayed(results, reference, str(spec))
-
-
-def test_server_delay_zero_is_bit_identical(cluster):
-    spec = ModelSpec(widths=(8, 5))
-    results = cluster.run(dw.train_server_delayed_cases, spec, [(None, "adamw", {}), (0, "adamw", {})], STEPS, 3)
-    for default, zero in results:
-        for name, value in default["state"].items():
-            assert torch.equal(value, zero["state"][name]), name
 
 
 @pytest.mark.parametrize("k", [1, 2])
