@@ -1,13 +1,16 @@
 """Train a small VGG-like CNN with PoseidonDDP (and, with --compare-ddp, torch DDP in the same run).
 
     torchrun --nproc_per_node 2 examples/train.py [--steps 30] [--batch 32] [--compare-ddp] [--server]
-        [--delay K]
+        [--delay K] [--staleness S|none]
 
 With --server both runs use AdamW, and PoseidonDDP's is a ServerOptimizer: the KV-store shards hold
 the optimizer state (1/P of it each) and apply the update; the example prints the state per rank.
 With --delay K PoseidonDDP runs Pipe-SGD: each step applies the averaged gradients of K steps earlier
 (``PoseidonDDP(model, delay=K)``, or ``ServerOptimizer(..., delay=K)`` with --server), so a step's
 sync runs on during the next K steps; the first K steps apply nothing.
+With --server --staleness S the servers run stale synchronous parallel (no rank more than S steps ahead
+of the slowest; ``none``: asynchronous), AdamW at lr / P (each push is one step of it), and every rank
+calls ``opt.finish()`` at the end.
 
 The data are synthetic but learnable: each class is a fixed random 32x32 image plus noise, so the loss
 falls within a few dozen steps. Prints loss and samples/s; rank 0 prints the summary.
@@ -55,7 +58,7 @@ def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list
         wrapped = PoseidonDDP(model, delay=0 if args.server else args.delay)
     else:
         wrapped = DDP(model)
-    opt = make_optimizer(wrapper, wrapped, args.server, args.delay)
+    opt = make_optimizer(wrapper, wrapped, args)
     times = []
     for step in range(args.steps):
         x, y = synthetic_batch(step, args.batch, rank)
@@ -71,18 +74,23 @@ def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             rate = args.batch * world / times[-1]
             print(f"[{wrapper}] step {step:3d}  loss {loss.item():.4f}  {rate:8.1f} samples/s", flush=True)
+    if isinstance(opt, ServerOptimizer):
+        opt.finish()  # the newest values in the parameters, on every rank (with staleness: every push applied)
     if args.server:
         print(f"[{wrapper}] rank {rank}: optimizer state {state_bytes(opt) / 1e6:.2f} MB", flush=True)
     return times[args.warmup:]
 
 
-def make_optimizer(wrapper: str, wrapped: nn.Module, server: bool, delay: int) -> torch.optim.Optimizer:
-    """SGD with momentum; with ``server``, AdamW, run by PoseidonDDP's shards for PoseidonDDP (with
-    Pipe-SGD's ``delay`` there)."""
-    if not server:
+def make_optimizer(wrapper: str, wrapped: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """SGD with momentum; with ``--server``, AdamW, run by PoseidonDDP's shards for PoseidonDDP (with
+    Pipe-SGD's ``delay`` or SSP's ``staleness`` there)."""
+    if not args.server:
         return torch.optim.SGD(wrapped.parameters(), lr=0.02, momentum=0.9)
+    if wrapper == "poseidon" and args.staleness != 0:
+        lr = 1e-3 / dist.get_world_size()  # one AdamW step per push: P of them per clock
+        return ServerOptimizer(wrapped, torch.optim.AdamW, lr=lr, weight_decay=0.01, staleness=args.staleness)
     if wrapper == "poseidon":
-        return ServerOptimizer(wrapped, torch.optim.AdamW, lr=1e-3, weight_decay=0.01, delay=delay)
+        return ServerOptimizer(wrapped, torch.optim.AdamW, lr=1e-3, weight_decay=0.01, delay=args.delay)
     return torch.optim.AdamW(wrapped.parameters(), lr=1e-3, weight_decay=0.01)
 
 
@@ -90,6 +98,10 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     if isinstance(opt, ServerOptimizer):
         return opt.local_state_bytes()
     return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def staleness(text: str) -> int | None:
+    return None if text == "none" else int(text)
 
 
 def main() -> None:
@@ -101,7 +113,11 @@ def main() -> None:
     parser.add_argument("--compare-ddp", action="store_true", help="also train with torch DDP and compare")
     parser.add_argument("--server", action="store_true", help="AdamW; PoseidonDDP's run by its parameter servers")
     parser.add_argument("--delay", type=int, default=0, help="Pipe-SGD: apply the gradients of K steps earlier")
+    parser.add_argument("--staleness", type=staleness, default=0,
+                        help="with --server: SSP's bound in steps, or 'none' (asynchronous); 0: BSP")
     args = parser.parse_args()
+    if args.staleness != 0 and not args.server:
+        parser.error("--staleness needs --server (SSP runs on the parameter servers)")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

@@ -37,8 +37,10 @@ import torch
 from torch import Tensor, nn
 
 from .bucket import Bucket
-from .server import apply_values
-from .sfb import FCLayer
+from .kvstore import PSPath
+from .pools import Collectives
+from .server import SFBUpdatePath, Server, ServerPath, apply_values
+from .sfb import FCLayer, SFBPath
 
 
 class GradWriter(Protocol):
@@ -92,6 +94,14 @@ class BSP:
     defers = False
     value_source = None  #: the owners step from the live parameters
     waits_per_layer = True  #: the per-layer forward waits of lazy pulls apply
+    lockstep = True  #: every rank takes part in every step's collectives (the facts, buffers, learning)
+
+    def server_for(self, facade, ps: PSPath, sfb: SFBPath, control: Collectives,
+                   timeout: float) -> tuple[Server, ServerPath, SFBUpdatePath]:
+        """Parameter-server mode: the shards, the job of a bucket on the PS path and of an FC layer on
+        SFB (the update at the owners of their chunks, new values pulled)."""
+        server = Server(facade, self.value_source)
+        return server, ServerPath(ps, server), SFBUpdatePath(sfb, ps, server)
 
     def take_values(self, bucket: Bucket) -> None:
         apply_values(bucket)

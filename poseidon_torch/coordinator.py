@@ -90,6 +90,15 @@ class Coordinator:
                 raise ValueError(f"cannot force SFB on layer {name!r}: it is not an FC layer of its own "
                                  "(see poseidon_torch.register_fc)")
 
+    def only_ps(self) -> None:
+        """Every layer on the PS path from now on (ranks on their own clocks cannot all-gather factors)."""
+        forced = sorted(name for name, path in self.overrides.items() if path == SFB)
+        if forced:
+            raise ValueError(f"overrides force SFB on {forced}, which needs every rank at the same step; "
+                             "a ServerOptimizer with staleness runs every layer on the PS path")
+        self.overrides.update({name: PS for name in self.fc})
+        self.sfb = set()
+
     def buckets_changed(self, solo: set[str], learned: bool) -> None:
         """The engine installed new buckets: ``solo`` FC layers have one of their own."""
         self.solo, self.learned = solo, learned

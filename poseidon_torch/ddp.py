@@ -359,7 +359,9 @@ class PoseidonDDP(nn.Module, Joinable):
             self._sync_buffers(joined=False)
 
     def _syncs_buffers(self) -> bool:
-        return self.options.broadcast_buffers and self.module.training and self.world_size > 1 and self._has_buffers
+        lockstep = self._engine is None or self._engine.consistency.lockstep  # SSP: ranks on their own clocks
+        return (self.options.broadcast_buffers and self.module.training and self.world_size > 1 and self._has_buffers
+                and lockstep)
 
     def _sync_buffers(self, joined: bool) -> None:
         """Broadcast the buffers from rank 0, or with join() from the highest rank still training."""

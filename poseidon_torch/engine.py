@@ -49,7 +49,7 @@ from .kvstore import PSPath, ps_messages
 from .link import LinkModel, theil_sen
 from .pools import Groups, StreamPool
 from .schedule import ChannelPlan, Halves, SyncingAtEnd, plan_channels
-from .server import SFBUpdatePath, Server, ServerPath, merge_exports
+from .server import Server, merge_exports
 from .sfb import FCLayer, SFBPath, fc_layers
 from .trace import Recorder
 
@@ -400,9 +400,12 @@ class Engine:
             layer.note_pass_end(bucket)
         mine = self.coordinator.facts(p.aborted, [self.core.late(b.index) for b in self.buckets],
                                       [not self.core.done(b.index) for b in self.buckets])
-        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
-        exchange = self._control.start_all_gather(everyone, mine)
-        self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
+        if self.consistency.lockstep:
+            everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
+            exchange = self._control.start_all_gather(everyone, mine)
+            self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
+        else:  # ranks on their own clocks: each pass knows its own facts only
+            everyone, exchange, self._facts_bytes = mine.repeat(self.world_size), None, 0
         may_defer = not p.aborted and (self.server is not None and self._learned or self.consistency.defers)
         if not may_defer:
             self._guarded(p, self._wait_jobs)
@@ -423,7 +426,7 @@ class Engine:
             self._guarded(p, self._wait_jobs)
         if self.server is not None and facts.aborted:
             self.server.roll_back()
-        elif self.server is not None:
+        if self.server is not None and (not facts.aborted or self.server.keeps_aborted_values):
             for index in range(len(self.buckets)):
                 self._apply(index)
             self.consistency.values_taken()
@@ -525,13 +528,11 @@ class Engine:
                 raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank} (class, lazy_pull, "
                                  f"max_grad_norm, delay, param groups or hyperparameters): {described[0]} vs {other}")
         self.settle()
-        if facade.delay:
-            self.consistency = DelayedValues(facade.delay)
+        self.consistency = facade.consistency_policy() or self.consistency
         self._ps.aligned = facade.aligned
         self._ps.flags_to_owners = True
-        self.server = Server(facade, self.consistency.value_source)
-        self._server_path = ServerPath(self._ps, self.server)
-        self._sfb_update = SFBUpdatePath(self.paths[SFB], self._ps, self.server)
+        self.server, self._server_path, self._sfb_update = self.consistency.server_for(
+            facade, self._ps, self.paths[SFB], self._control, self.timeout)
         self.coordinator.pull_values = True
         # a module's forward waits for the parameters of its whole subtree (nn.MultiheadAttention reads
         # out_proj.weight itself); the root's would wait for everything, so it waits for its own only
@@ -546,7 +547,13 @@ class Engine:
                 self._server_hooks.append(module.register_forward_pre_hook(self._before_layer, prepend=True))
             if own:
                 holders.append(module)
-        self._install(self.buckets)
+        if self.consistency.lockstep:
+            self._install(self.buckets)
+        else:  # ranks on their own clocks cannot learn buckets together: fused once, as torch DDP's
+            self.coordinator.only_ps()
+            self._learned = True
+            self._install(build_buckets(group_layers(list(reversed(self.layers)), self.fusion_bytes, set()),
+                                        self.staged, self._fc_of))
         for module in holders:
             self._server_hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
             self._server_hooks.append(module.register_load_state_dict_pre_hook(self._before_load))
@@ -789,6 +796,8 @@ class Engine:
         the jobs are costed by the link model: the first pass's own job times are cold (first use of
         every buffer), and a fit to them moved from run to run by 37x in seconds per byte on mlp50,
         learning 2 to 7 jobs where the link model learns 2 every time. A rebuild fits warm jobs."""
+        if not self.consistency.lockstep:
+            return  # fused once, when the mode began
         grew = False
         for param_id in list(self._never_used):
             bucket, j = self._slot[param_id]
@@ -840,6 +849,8 @@ class Engine:
             self.drain()
         finally:
             self.core.close()
+            if self.server is not None:
+                self.server.close()
             for handle in self._server_hooks:
                 handle.remove()
         for layer in self.fc.values():
@@ -861,6 +872,8 @@ def _leaves_of(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
 
 
 def _wait_exchange(exchange) -> None:
+    if exchange is None:
+        return
     try:
         exchange.wait()
     except RuntimeError as exc:

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .consistency import BSP, DelayedValues
 from .ddp import PoseidonDDP
 from .server import Server, hyperparameters, merge_exports
+from .stale import Stale
 
 #: torch optimizers whose update of an element reads only that element's gradient and state: their
 #: chunks may cut parameters anywhere. Any other class (subclasses of these included: a LARS written
@@ -38,6 +40,20 @@ def chunks_must_align(optimizer_class: type) -> bool:
         raise ValueError(f"{optimizer_class.__name__} cannot run on parameter-server shards (it needs a closure "
                          "over the whole model or sparse gradients); use it with PoseidonDDP's default mode")
     return optimizer_class not in ELEMENTWISE
+
+
+def _staleness(value: Any, delay: int, max_grad_norm: float | None, lazy_pull: bool) -> int | None:
+    """``staleness`` checked: an int >= 0 or None, and not combined with options that need lockstep."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise TypeError(f"ServerOptimizer option staleness must be an int >= 0 (clocks) or None (asynchronous), "
+                        f"got {value!r}")
+    if value != 0:
+        clash = [name for name, on in (("delay", delay), ("max_grad_norm", max_grad_norm is not None),
+                                       ("lazy_pull", lazy_pull)) if on]
+        if clash:
+            raise ValueError(f"ServerOptimizer(staleness={value}) cannot be combined with {', '.join(clash)}: "
+                             "they need every rank at the same step (staleness pulls lazily already)")
+    return value
 
 
 def _max_norm(value: Any) -> float | None:
@@ -80,7 +96,7 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: Any, optimizer_class: type, params: Iterable | None = None, *,
                  lazy_pull: bool = False, max_grad_norm: float | None = None, delay: int = 0,
-                 **defaults: Any) -> None:
+                 staleness: int | None = 0, **defaults: Any) -> None:
         if not isinstance(model, PoseidonDDP):
             raise TypeError(f"ServerOptimizer needs the PoseidonDDP that trains the model, got {type(model).__name__}")
         self.aligned = chunks_must_align(optimizer_class)
@@ -91,6 +107,8 @@ class ServerOptimizer(torch.optim.Optimizer):
         #: Pipe-SGD: the forward of step t reads the values of step t-1-delay
         self.delay = delay
         self._max_grad_norm = _max_norm(max_grad_norm)
+        #: SSP's bound in clocks (0: BSP; None: asynchronous, no bound): ``stale.py``
+        self.staleness = _staleness(staleness, delay, self._max_grad_norm, self.lazy_pull)
         self.model = model
         # the class's own defaults, completed as it completes them, so param_groups read as torch's
         defaults = optimizer_class([torch.zeros(1)], **defaults).defaults
@@ -155,7 +173,18 @@ class ServerOptimizer(torch.optim.Optimizer):
         groups = [(repr(sorted(hyperparameters(g).items())), [self.key_of[id(p)] for p in g["params"]])
                   for g in self.param_groups]
         name = f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}"
-        return name, self.lazy_pull, self.max_grad_norm, self.delay, groups
+        return name, self.lazy_pull, self.max_grad_norm, self.delay, self.staleness, groups
+
+    def consistency_policy(self) -> BSP | None:
+        """The consistency policy this optimizer asks of the engine (None: the engine's own, BSP)."""
+        if self.staleness != 0:
+            return Stale(self.staleness)
+        return DelayedValues(self.delay) if self.delay else None
+
+    @property
+    def stale(self) -> bool:
+        """SSP or asynchronous: every rank on its own clock."""
+        return self.staleness != 0
 
     @property
     def server(self) -> Server:
@@ -197,9 +226,18 @@ class ServerOptimizer(torch.optim.Optimizer):
         if unfrozen:
             raise RuntimeError(f"parameter(s) {unfrozen[:8]} were frozen when the model was wrapped and have a gradient "
                                "now: nothing syncs or steps them; unfreeze before wrapping with PoseidonDDP (or wrap again)")
-        if not (self.lazy_pull or self.delay):
+        if not (self.lazy_pull or self.delay or self.stale):
             self.model.synchronize()
         return loss
+
+    @property
+    def last_staleness(self) -> int | None:
+        """With ``staleness``: how many clocks of the slowest rank the values read by the next forward
+        lack (0 = what BSP would read; at most ``staleness``); None in the other modes or before a step."""
+        if not self.stale or self.server.clock < 0:
+            return None
+        self.model.synchronize()
+        return self.server.pass_staleness()
 
     def finish(self) -> None:
         """End of training: wait for the last step's sync and put the newest values into the parameters.
@@ -209,6 +247,8 @@ class ServerOptimizer(torch.optim.Optimizer):
         collective: every rank computes the same values."""
         self.model.synchronize()
         self.model.engine.consistency.flush()
+        if self.stale:
+            self.server.finish()
 
     def local_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
@@ -222,6 +262,8 @@ class ServerOptimizer(torch.optim.Optimizer):
         """Gather the whole optimizer state on rank ``to`` (collective: every rank calls it)."""
         self.model.engine.finish_aborted_pass()  # a skipped step's state taken back first
         self.model.synchronize()
+        if self.stale:
+            self.server.finish()  # every push applied, on every rank
         exports = self.model.engine.gather_objects(self.server.export(), to)
         self._consolidated, self._consolidated_to = None, to
         if exports is not None:
@@ -252,6 +294,8 @@ class ServerOptimizer(torch.optim.Optimizer):
             raise ValueError("loaded state_dict has param groups of other sizes than this optimizer's")
         self.model.engine.finish_aborted_pass()  # or a skipped step's roll-back would land on the loaded state
         self.model.synchronize()
+        if self.stale:
+            self.server.finish()  # no push in flight; loaded parameters go to the owners
         for group, saved in zip(self.param_groups, groups):
             group.update(hyperparameters(saved))
         state = {int(k): v for k, v in state_dict["state"].items()}

@@ -132,8 +132,18 @@ class BucketShard:
             for grad in grads:
                 if grad is not None:
                     grad.mul_(scale)
-        for piece, grad in zip(self.pieces, grads):
+        for piece in self.pieces:
             piece.tensor.copy_(piece.live(source))
+        self.apply(grads, hyper, keep_undo)
+        for piece in self.pieces:
+            piece.view_of(out).copy_(piece.tensor)
+
+    def apply(self, grads: Sequence[Tensor | None], hyper: Sequence[dict], keep_undo: bool = False) -> None:
+        """One step of the inner optimizer from the pieces' current values, with gradient ``grads[i]`` for
+        piece i (None: not stepped) and the hyperparameters ``hyper`` (per user param group)."""
+        if self.inner is None:
+            return
+        for piece, grad in zip(self.pieces, grads):
             piece.tensor.grad = grad
         for inner_group, g in zip(self.inner.param_groups, self.groups):
             inner_group.update(hyper[g])
@@ -143,7 +153,6 @@ class BucketShard:
             self.inner.step()
         for piece in self.pieces:
             piece.tensor.grad = None
-            piece.view_of(out).copy_(piece.tensor)
 
     def roll_back(self) -> None:
         """Put back the state this pass's step replaced (the pass was aborted)."""
@@ -336,6 +345,12 @@ class Server:
     def has_state(self) -> bool:
         """Some rank holds optimizer state: a step stood, or a state was loaded (the same on every rank)."""
         return self._stepped or self._loaded
+
+    def close(self) -> None:
+        pass
+
+    #: an aborted pass's updates are taken back (:meth:`roll_back`): its pulled values are not read
+    keeps_aborted_values = False
 
     def load(self, full_state: dict[int, dict[str, Any]]) -> None:
         for shard in self.shards.values():

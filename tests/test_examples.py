@@ -32,6 +32,12 @@ def test_hf_example(server):
     assert "loss:" in torchrun("hf_train.py", "--steps", "5", *server)
 
 
+@pytest.mark.parametrize("staleness", ["2", "none"], ids=["ssp2", "async"])
+def test_train_example_with_staleness(staleness):
+    out = torchrun("train.py", "--steps", "6", "--warmup", "2", "--server", "--staleness", staleness, "--compare-ddp")
+    assert "PoseidonDDP speed vs torch DDP" in out and "loss" in out
+
+
 @pytest.mark.parametrize("server", [[], ["--server"]], ids=["default-mode", "server-mode"])
 def test_train_example_with_pipe_sgd(server):
     out = torchrun("train.py", "--steps", "6", "--warmup", "2", "--delay", "1", "--compare-ddp", *server)

@@ -56,7 +56,9 @@ from torch import nn
 from poseidon_torch.bench.launch import exit_worker, worker_main
 from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, profile
 
-SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-priority")
+#: ServerOptimizer with SSP's bound (``staleness=s``) or asynchronous (None): ranks on their own clocks
+STALE_MODES = {"poseidon-ssp1": 1, "poseidon-ssp3": 3, "poseidon-async": None}
+SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-priority", *STALE_MODES)
 #: Pipe-SGD: the default mode (hybrid) with ``delay=k``
 DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2}
 POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES, *DELAY_MODES)
@@ -130,8 +132,19 @@ def make_optimizer(mode: str, model: nn.Module, cls: type, kwargs: dict) -> torc
     if mode in SERVER_MODES:
         from poseidon_torch import ServerOptimizer
 
+        if mode in STALE_MODES:
+            return ServerOptimizer(model, cls, staleness=STALE_MODES[mode], **stale_kwargs(cls, kwargs))
         return ServerOptimizer(model, cls, lazy_pull=mode.startswith("poseidon-server-lazy"), **kwargs)
     return cls(model.parameters(), **kwargs)
+
+
+def stale_kwargs(cls: type, kwargs: dict) -> dict:
+    """The README's recommended scaling for SSP/asynchronous modes: an owner steps once per push (with
+    the gradient divided by P), so plain SGD keeps its learning rate and an adaptive optimizer, whose
+    step ignores the gradient's scale, takes lr / P."""
+    if cls is torch.optim.SGD:
+        return kwargs
+    return {**kwargs, "lr": kwargs["lr"] / dist.get_world_size()}
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

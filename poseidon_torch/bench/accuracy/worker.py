@@ -23,7 +23,8 @@ Invariants:
   gets the same straggler; without it the rank calibrates.
 - ``--time-budget``: when rank 0's clock passes it after ``n`` steps, it publishes ``stop = n + 1`` in the
   run's store and every rank stops after step ``stop`` (all ranks run the same number of steps; a rank of
-  a synchronous mode is never more than one step ahead of another).
+  a synchronous mode is never more than one step ahead of another; under SSP or asynchronous SGD a rank
+  already past it stops at once, and ``finish()`` then lands the owners' newest values everywhere).
 - Rank 0 writes the result; any error or running past ``--timeout`` ends the process non-zero.
 """
 from __future__ import annotations
@@ -178,6 +179,9 @@ def train(args: argparse.Namespace, task: Task, straggler: Straggler, store: dis
         step_end_s.append(clock.elapsed())
         if len(step_end_s) % args.eval_every == 0:
             take_snapshot(len(step_end_s))
+    if hasattr(optimizer, "staleness") and optimizer.stale:  # SSP/async: the owners' newest values, everywhere
+        optimizer.finish()  # waiting for the others is training time: the snapshot's clock includes it
+        take_snapshot(len(step_end_s))
     if not snapshots or snapshots[-1][0] != len(step_end_s):
         take_snapshot(len(step_end_s))
     if args.mode in POSEIDON_MODES:

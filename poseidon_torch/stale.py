@@ -1,0 +1,457 @@
+"""Stale synchronous parallel (Bosen) and asynchronous SGD (Downpour) on the parameter-server shards.
+
+With ``ServerOptimizer(..., staleness=s)`` (s >= 1), or ``staleness=None`` (asynchronous), the shards no
+longer aggregate exactly P pushes per step: each rank runs on its own *clock* (its count of synced
+passes since the last ``finish()``).
+- The job of a bucket at clock c pushes each chunk to its owner, point to point on two gloo backends of
+  this mode's own (one per direction, as the sync channels); each owner's :class:`StaleServer` threads
+  receive from *any* source (gloo matches a send with a receive by order, so a receive from one named
+  peer would serve the ranks in a fixed order: the measured alternative, torch's RPC, was no faster,
+  ``benchmarks/async_transport.py``).
+- The owner applies each push at once: one step of the user's optimizer on that chunk's pieces with the
+  pushed gradient divided by P (with plain SGD the P pushes of a clock move the parameters as one BSP
+  step on their average; adaptive optimizers take P steps per clock, see the README).
+- It answers with the chunk's values once they hold every rank's pushes of clocks <= c - s (what the
+  rank's forward at clock c+1 may read under SSP: it is then at most s clocks ahead of the slowest); a
+  rank that called ``finish()`` no longer holds anyone back. ``staleness=None`` answers at once.
+Invariants: the pushes of one rank to one chunk are applied in clock order, each exactly once (a chunk's
+counter per rank checks it); a pass aborted on a rank still pushes its remaining buckets, empty, so
+every chunk sees every clock; between ``finish()`` calls the owners' pieces hold the authoritative
+values (the parameters hold what the rank last pulled), and ``finish()`` makes every rank's parameters
+the owners' values (or, after the parameters were loaded, the owners' values the parameters).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .barrier import SyncError
+from .bucket import Bucket
+from .consistency import BSP
+from .kvstore import Chunk, PSPath
+from .pools import Backend, Collectives, make_backend
+from .server import BucketShard, hyperparameters, pieces_of
+
+if TYPE_CHECKING:
+    from .optimizer import ServerOptimizer
+
+HEADER, PAYLOAD, REPLY = 1, 2, 1000  #: message tags (a reply's tag adds the chunk's id)
+PUSH, DONE, STOP = 0, 1, 2           #: what a header announces
+#: the requests' backends never time out: their receives wait for whichever rank pushes next, however
+#: long its compute takes (a gloo receive that times out closes the connection); the waits that can
+#: fail (replies, the SSP bound) use the engine's timeout
+_FOREVER = timedelta(days=3650)
+
+
+class Stale(BSP):
+    """The consistency policy of SSP (``staleness`` >= 1) and asynchronous SGD (``staleness`` None):
+    ranks run on their own clocks, so the engine issues no per-step collective (``lockstep``), its buckets
+    are fused once, in reverse registration order (as torch DDP's), and the forward of a layer waits for
+    its bucket's values, which the owners send once the bound allows."""
+
+    lockstep = False
+
+    def __init__(self, staleness: int | None) -> None:
+        self.staleness = staleness
+        self.server: StaleServer | None = None
+
+    def server_for(self, facade: ServerOptimizer, ps: PSPath, sfb: Any, control: Collectives,
+                   timeout: float) -> tuple[StaleServer, StalePath, StalePath]:
+        self.server = StaleServer(facade, control, self.staleness, timeout)
+        path = StalePath(ps, self.server)
+        return self.server, path, path
+
+    def forget_values(self) -> None:
+        if self.server is not None:
+            self.server.parameters_loaded = True
+
+
+@dataclass(eq=False)
+class _Owned:
+    """A chunk this rank owns: its pieces' optimizer, and how many pushes of each rank it applied."""
+
+    bucket: Bucket
+    chunk: Chunk
+    shard: BucketShard
+    applied: list[int]
+
+    @property
+    def payload_numel(self) -> int:
+        return self.chunk.stop - self.chunk.start + len(self.bucket.params) + 1
+
+
+@dataclass
+class _Reply:
+    rank: int
+    cid: int
+    values: Tensor
+
+
+@dataclass
+class _PassLog:
+    """What the answers of this rank's current pass found."""
+
+    staleness: int = 0
+
+
+class StaleServer:
+    """This rank's shards in SSP/asynchronous mode, its server threads, and its clock.
+
+    The engine's view of a server (``begin_pass``, ``install``, ``export``, ``load``, ...) plus
+    :meth:`exchange` (a bucket's job), :meth:`finish` (the end of a stretch of training, collective)."""
+
+    def __init__(self, facade: ServerOptimizer, control: Collectives, staleness: int | None,
+                 timeout: float) -> None:
+        self.facade, self.control, self.bound, self.timeout = facade, control, staleness, timeout
+        self.rank, self.size = control.rank, control.size
+        prefix = control.broadcast_object(f"poseidon/{uuid.uuid4().hex}/stale/", 0)
+        #: ``up`` carries messages from a lower to a higher rank, ``down`` the way back
+        self.up = make_backend(prefix, "up", self.rank, self.size, "gloo", _FOREVER)
+        self.down = make_backend(prefix, "down", self.rank, self.size, "gloo", _FOREVER)
+        self.clock = -1  #: this rank's clock: the pass now open (-1: none since the last finish)
+        self.parameters_loaded = False  #: the parameters were loaded: the owners take them at finish()
+        self.failure: SyncError | None = None
+        self.shards: dict[int, BucketShard] = {}
+        self._cond = threading.Condition()
+        self._owned: dict[int, _Owned] = {}
+        self._cids: dict[int, list[tuple[int, Chunk]]] = {}  #: id(bucket) -> (chunk id, chunk)
+        self._done = [False] * self.size
+        self._waiting: list[tuple[int, int, int]] = []  #: (rank, chunk id, clock) answers due later
+        self._send_locks = defaultdict(threading.Lock)
+        self._log = _PassLog()
+        self._buckets: list[Bucket] = []
+        self._loaded = False
+        self._threads = [threading.Thread(target=self._serve, args=(backend,), daemon=True,
+                                          name=f"poseidon-stale-{name}")
+                         for name, backend, peers in (("up", self.up, self.rank > 0),
+                                                      ("down", self.down, self.rank < self.size - 1)) if peers]
+        for thread in self._threads:
+            thread.start()
+
+    # ---- the engine's view of a server ----------------------------------------------------------
+
+    def install(self, buckets: list[Bucket], ps: PSPath, rank: int) -> None:
+        """Chunk ids over ``buckets`` (the same on every rank) and a shard per chunk this rank owns,
+        its pieces starting from the parameters (collective, between passes, no push in flight)."""
+        key_of = self.facade.key_of
+        cid = 0
+        self._cids, self._owned, self.shards, self._buckets = {}, {}, {}, list(buckets)
+        for bucket in buckets:
+            self._cids[id(bucket)] = []
+            for chunk in ps.chunks_of(bucket):
+                self._cids[id(bucket)].append((cid, chunk))
+                if chunk.owner == rank:
+                    shard = BucketShard(pieces_of(bucket, [chunk], key_of), self.facade)
+                    self._owned[cid] = _Owned(bucket, chunk, shard, [0] * self.size)
+                    self.shards[cid] = shard
+                cid += 1
+        self._take_parameters()
+        self.control.barrier()  # every owner ready before any rank pushes (installs are collective)
+
+    def begin_pass(self) -> None:
+        if self.parameters_loaded:
+            raise RuntimeError("the parameters were loaded while the ServerOptimizer runs with staleness: call "
+                               "opt.finish() (or opt.load_state_dict) on every rank before training on, so the "
+                               "servers take the loaded values")
+        self.clock += 1
+        self._log = _PassLog()
+
+    def pushed(self) -> None:
+        pass
+
+    def facts_known(self, aborted: bool) -> None:
+        pass
+
+    def roll_back(self) -> None:
+        pass  # the buckets pushed before a raise stay applied (README); the rest were pushed empty
+
+    #: the answers of a pass aborted on this rank are still the owners' newest values, which the next
+    #: forward must read (the bound was checked for them)
+    keeps_aborted_values = True
+
+    def export(self) -> dict:
+        out: dict[int, list] = defaultdict(list)
+        with self._cond:
+            for shard in self.shards.values():
+                for key, items in shard.export().items():
+                    out[key].extend(items)
+        return dict(out)
+
+    def state_bytes(self) -> int:
+        return sum(shard.state_bytes() for shard in self.shards.values())
+
+    def has_state(self) -> bool:
+        return self._loaded or any(shard.inner is not None and shard.inner.state for shard in self.shards.values())
+
+    def load(self, full_state: dict | None) -> None:
+        if not full_state:
+            return
+        with self._cond:
+            for shard in self.shards.values():
+                shard.load(full_state)
+        self._loaded = True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the server threads: each listens to the ranks on one side, and the neighbour on that
+        side stops it (so every thread gets one STOP); waits at most ``timeout`` for both."""
+        header = torch.tensor([STOP, 0, 0], dtype=torch.int64)
+        for peer in (self.rank - 1, self.rank + 1):
+            if 0 <= peer < self.size:
+                with contextlib.suppress(RuntimeError):
+                    self._backend_to(peer).send([header], peer, HEADER).wait(timedelta(seconds=timeout))
+        for thread in self._threads:
+            thread.join(timeout)
+
+    # ---- a bucket's job ------------------------------------------------------------------------------
+
+    def exchange(self, bucket: Bucket) -> int:
+        """Push this rank's staged gradients of ``bucket`` (flat buffer) at its clock and put the values
+        the owners answer into the flat buffer; returns the bytes sent (channel thread)."""
+        clock, flags = self.clock, bucket.flat[bucket.grad_numel:]
+        remote = []
+        for cid, chunk in self._cids[id(bucket)]:
+            if chunk.owner != self.rank:
+                reply = torch.empty(chunk.stop - chunk.start + 1, dtype=bucket.flat.dtype)
+                work = self._backend_to(self.rank, chunk.owner).recv([reply], chunk.owner, REPLY + cid)
+                payload = torch.cat([bucket.flat[chunk.start:chunk.stop], flags])
+                self._push(chunk.owner, cid, clock, payload)
+                remote.append((cid, chunk, reply, work))
+        sent = sum(payload_bytes(bucket, chunk) for _, chunk, _, _ in remote)
+        for cid, chunk in self._cids[id(bucket)]:
+            if chunk.owner == self.rank:
+                payload = torch.cat([bucket.flat[chunk.start:chunk.stop], flags])
+                self._send_replies(self._apply(cid, self.rank, clock, payload))
+                self._take(bucket, chunk, self._wait_own(cid, clock))
+        for cid, chunk, reply, work in remote:
+            try:
+                work.wait(timedelta(seconds=self.timeout))
+            except RuntimeError as exc:
+                raise SyncError(self._stall(chunk.owner, clock, exc)) from None
+            self._take(bucket, chunk, reply)
+        bucket.used_anywhere.fill_(1)
+        return sent
+
+    def _take(self, bucket: Bucket, chunk: Chunk, values: Tensor) -> None:
+        bucket.flat[chunk.start:chunk.stop].copy_(values[:-1])
+        with self._cond:
+            self._log.staleness = max(self._log.staleness, int(values[-1]))
+
+    def _push(self, owner: int, cid: int, clock: int, payload: Tensor) -> None:
+        self._send(owner, torch.tensor([PUSH, cid, clock], dtype=torch.int64), payload)
+
+    def _send(self, peer: int, header: Tensor, payload: Tensor | None = None) -> None:
+        """A header (and its payload: they stay together on the connection) to ``peer``'s server."""
+        backend = self._backend_to(peer)
+        try:
+            with self._send_locks[peer]:
+                backend.send([header], peer, HEADER).wait(timedelta(seconds=self.timeout))
+                if payload is not None:
+                    backend.send([payload], peer, PAYLOAD).wait(timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise SyncError(f"staleness={self.bound}: rank {self.rank} could not reach rank {peer}'s server "
+                            f"(dead?): {exc}") from None
+
+    def _backend_to(self, peer: int, sender: int | None = None) -> Backend:
+        """The backend of messages from ``sender`` (default: this rank) to ``peer``."""
+        sender = self.rank if sender is None else sender
+        return self.up if sender < peer else self.down
+
+    def _wait_own(self, cid: int, clock: int) -> Tensor:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.failure is not None or self._ready(cid, clock), self.timeout):
+                raise SyncError(self._stall(self.rank, clock, None))
+            if self.failure is not None:
+                raise self.failure
+            return self._values(cid, clock)
+
+    def _stall(self, owner: int, clock: int, exc: Exception | None) -> str:
+        behind = self._behind(clock)
+        who = f"; rank(s) {behind} never pushed clock {clock - (self.bound or 0)} here" if behind else ""
+        why = f" ({exc})" if exc is not None else ""
+        return (f"staleness={self.bound}: rank {self.rank} waited {self.timeout:.0f}s at clock {clock} for the values of "
+                f"rank {owner}'s chunks{who}: a dead or stalled peer{why}")
+
+    def _behind(self, clock: int) -> list[int]:
+        with self._cond:
+            needed = clock + 1 - (self.bound or 0)
+            return sorted({r for owned in self._owned.values() for r in range(self.size)
+                           if owned.applied[r] < needed and not self._done[r]})
+
+    # ---- the owner's side --------------------------------------------------------------------------
+
+    def _serve(self, backend: Backend) -> None:
+        """Receive from any source: pushes (applied at once), DONE notices, STOP."""
+        header = torch.empty(3, dtype=torch.int64)
+        try:
+            while True:
+                work = backend.recv_anysource([header], HEADER)
+                work.wait()
+                source = work._source_rank()
+                kind, cid, clock = header.tolist()
+                if kind == STOP:
+                    return
+                if kind == DONE:
+                    with self._cond:
+                        self._done[source] = True
+                        replies = self._due()
+                        self._cond.notify_all()
+                    self._send_replies(replies)
+                    continue
+                owned = self._owned[cid]
+                payload = torch.empty(owned.payload_numel, dtype=owned.bucket.flat.dtype)
+                backend.recv([payload], source, PAYLOAD).wait()
+                self._send_replies(self._apply(cid, source, clock, payload))
+        except Exception as exc:  # noqa: BLE001 - any failure ends the mode with a clear error
+            with self._cond:
+                self.failure = SyncError(f"the parameter-server thread of rank {self.rank} failed: {exc!r}")
+                self._cond.notify_all()
+
+    def _apply(self, cid: int, source: int, clock: int, payload: Tensor) -> list[_Reply]:
+        """Apply ``source``'s push of chunk ``cid`` at ``clock``; the answers now due."""
+        owned = self._owned[cid]
+        with self._cond:
+            if owned.applied[source] != clock:
+                raise SyncError(f"rank {source} pushed clock {clock} of chunk {cid}, rank {self.rank} expected clock "
+                                f"{owned.applied[source]} (a push lost or repeated)")
+            flags = payload[owned.chunk.stop - owned.chunk.start:]
+            if not flags[-1] > 0:  # not aborted
+                self._step(owned, payload, flags)
+            owned.applied[source] += 1
+            self._done[source] = False
+            self._waiting.append((source, cid, clock))
+            replies = self._due()
+            self._cond.notify_all()
+        return replies
+
+    def _step(self, owned: _Owned, payload: Tensor, flags: Tensor) -> None:
+        shard, start = owned.shard, owned.chunk.start
+        grads = [payload[piece.flat_start - start:piece.flat_start - start + piece.hi - piece.lo]
+                 .view(piece.tensor.shape) / self.size if flags[piece.position] > 0 else None
+                 for piece in shard.pieces]
+        shard.apply(grads, [hyperparameters(g) for g in self.facade.param_groups])
+
+    def _ready(self, cid: int, clock: int) -> bool:
+        """The values of chunk ``cid`` may be read at clock ``clock`` + 1 (lock held)."""
+        if self.bound is None:
+            return True
+        applied = self._owned[cid].applied
+        return all(done or count >= clock + 1 - self.bound for count, done in zip(applied, self._done))
+
+    def _values(self, cid: int, clock: int) -> Tensor:
+        """Chunk ``cid``'s values, and how many clocks of the slowest rank they lack for a forward at
+        ``clock`` + 1 (lock held)."""
+        owned = self._owned[cid]
+        out = torch.zeros(owned.chunk.stop - owned.chunk.start + 1, dtype=owned.bucket.flat.dtype)
+        for piece in owned.shard.pieces:
+            offset = piece.flat_start - owned.chunk.start
+            out[offset:offset + piece.hi - piece.lo].copy_(piece.tensor.reshape(-1))
+        lagging = [count for count, done in zip(owned.applied, self._done) if not done]
+        out[-1] = clock + 1 - min(lagging, default=clock + 1)
+        return out
+
+    def _due(self) -> list[_Reply]:
+        """The remote answers the bound now allows (lock held); local waiters are woken instead."""
+        due, waiting = [], []
+        for rank, cid, clock in self._waiting:
+            if rank == self.rank:
+                continue
+            if self._ready(cid, clock):
+                due.append(_Reply(rank, cid, self._values(cid, clock)))
+            else:
+                waiting.append((rank, cid, clock))
+        self._waiting = waiting
+        return due
+
+    def _send_replies(self, replies: list[_Reply]) -> None:
+        for reply in replies:
+            self._backend_to(reply.rank).send([reply.values], reply.rank, REPLY + reply.cid).wait()
+
+    # ---- the end of a stretch of training ---------------------------------------------------------
+
+    def finish(self) -> None:
+        """Collective, after this rank's last pass settled: tell every owner this rank is done (it no
+        longer holds the bound back), wait for every rank, make the parameters the owners' values (or,
+        after a load, the owners' values the parameters) and start the clocks again."""
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._send(peer, torch.tensor([DONE, 0, 0], dtype=torch.int64))
+        with self._cond:
+            self._done[self.rank] = True
+            replies = self._due()
+        self._send_replies(replies)
+        with self._cond:  # every rank sent its DONE after its last push was answered, so applied
+            if not self._cond.wait_for(lambda: self.failure is not None or all(self._done), self.timeout):
+                missing = [r for r, done in enumerate(self._done) if not done]
+                raise SyncError(f"staleness={self.bound}: finish() on rank {self.rank} waited {self.timeout:.0f}s for "
+                                f"rank(s) {missing} to finish (dead, stalled, or not calling finish())")
+            if self.failure is not None:
+                raise self.failure
+        if self.parameters_loaded:
+            self._take_parameters()
+        else:
+            self._give_parameters()
+        with self._cond:
+            for owned in self._owned.values():
+                owned.applied = [0] * self.size
+            self._done = [False] * self.size
+            self._waiting = []
+        self.clock = -1
+        self.control.barrier()  # nobody pushes before every owner started its clocks again
+
+    def _take_parameters(self) -> None:
+        """The owned pieces start from the parameters."""
+        with self._cond:
+            for shard in self.shards.values():
+                for piece in shard.pieces:
+                    piece.tensor.copy_(piece.live())
+        self.parameters_loaded = False
+
+    def _give_parameters(self) -> None:
+        """Every rank's parameters become the owners' values (each element is owned by one rank: a sum
+        over the ranks of the owned values, zeros elsewhere, is exact)."""
+        for bucket in self._buckets:  # every bucket on every rank: a collective each
+            values = torch.zeros(bucket.grad_numel, dtype=bucket.flat.dtype)
+            for cid, _ in self._cids[id(bucket)]:
+                if cid in self._owned:
+                    for piece in self._owned[cid].shard.pieces:
+                        values[piece.flat_start:piece.flat_start + piece.hi - piece.lo].copy_(piece.tensor.reshape(-1))
+            self.control.all_reduce(values)
+            with torch.no_grad():
+                for p, value in bucket.views(values):
+                    p.copy_(value)
+
+    def pass_staleness(self) -> int:
+        """The most clocks of the slowest rank missing from the values this rank's last pass read."""
+        return self._log.staleness
+
+
+def payload_bytes(bucket: Bucket, chunk: Chunk) -> int:
+    return (chunk.stop - chunk.start + len(bucket.params) + 1) * bucket.flat.element_size()
+
+
+class StalePath:
+    """A bucket's job in SSP/asynchronous mode: push every chunk, take the values the owners answer."""
+
+    name = "PS"
+
+    def __init__(self, ps: PSPath, server: StaleServer) -> None:
+        self.ps, self.server = ps, server
+
+    def stage(self, bucket: Bucket, ctx) -> None:
+        bucket.stage(ctx.aborted, ctx.shadow, grads_present=True)
+
+    def sync(self, bucket: Bucket, groups: Any, ctx) -> Iterator[str]:
+        yield "network"
+        bucket.bytes_sent = self.server.exchange(bucket)
+        bucket.outcome = self.name
+        bucket.dirty.zero_()
+        return True

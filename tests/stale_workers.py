@@ -1,0 +1,224 @@
+"""Rank functions for the SSP / asynchronous tests (``ServerOptimizer(..., staleness=s)``).
+
+The *ledger* model makes every push visible: one parameter ``w`` with a slot per (rank, clock); the
+loss of rank r at clock c is ``w[slot(r, c)]``, so its gradient is one-hot, and with plain SGD at lr 1
+an owner that applies the push sets that slot to -1/P (the gradient divided by P). What a forward
+reads therefore says exactly which pushes of which ranks and clocks it contains.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+
+from poseidon_torch import PoseidonDDP, ServerOptimizer, SyncError
+
+
+class Ledger(nn.Module):
+    """``w[rank * steps + clock]`` is the slot of that rank's push at that clock; the forward records
+    what it read."""
+
+    def __init__(self, world_size: int, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+        self.w = nn.Parameter(torch.zeros(world_size * steps))
+        self.reads: list[torch.Tensor] = []
+
+    def forward(self, slot: torch.Tensor) -> torch.Tensor:
+        self.reads.append(self.w.detach().clone())
+        return (self.w * slot).sum()
+
+
+def _one_hot(model: Ledger, rank: int, clock: int) -> torch.Tensor:
+    slot = torch.zeros_like(model.w)
+    slot[rank * model.steps + clock] = 1.0
+    return slot
+
+
+def ledger_run(rank: int, world_size: int, staleness: int | None, steps: int, sleeps: list[list[float]],
+               own_steps: list[int] | None = None, raise_at: tuple[int, int] | None = None) -> dict:
+    """Train the ledger for ``steps`` clocks (``own_steps[rank]`` on this rank when given: uneven data),
+    sleeping ``sleeps[rank][clock]`` seconds after each step (stragglers); ``raise_at`` = (rank, clock):
+    that rank's backward raises there and the rank catches it and trains on. Returns what every forward
+    read, the reported staleness per step and the parameters after ``finish()``."""
+    model = Ledger(world_size, steps)
+    wrapped = PoseidonDDP(model, timeout=30, hybrid=False)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=1.0, staleness=staleness)
+    reported, caught = [], []
+    for clock in range((own_steps or [steps] * world_size)[rank]):
+        loss = wrapped(_one_hot(model, rank, clock))
+        if raise_at == (rank, clock):
+            loss.register_hook(_raise)
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            caught.append(clock)
+            assert "injected" in str(exc), exc
+        opt.step()
+        opt.zero_grad()
+        reported.append(opt.last_staleness)
+        time.sleep(sleeps[rank][clock])
+    opt.finish()
+    final = model.w.detach().clone()
+    wrapped.close()
+    return {"reads": [r.tolist() for r in model.reads], "reported": reported, "final": final.tolist(),
+            "caught": caught}
+
+
+def _raise(grad: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("injected failure in backward")
+
+
+def least_squares(rank: int, world_size: int, staleness: int | None, steps: int, straggler_s: float) -> dict:
+    """SGD on a least-squares problem with a known optimum; rank 1 pauses ``straggler_s`` every 3rd step."""
+    gen = torch.Generator().manual_seed(0)
+    x_all = torch.randn(512, 6, generator=gen)
+    w_star = torch.randn(6, 1, generator=gen)
+    y_all = x_all @ w_star
+    torch.manual_seed(1)
+    model = nn.Linear(6, 1, bias=False)
+    wrapped = PoseidonDDP(model, timeout=30, hybrid=False)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, staleness=staleness)
+    batches = torch.Generator().manual_seed(100 + rank)
+    for step in range(steps):
+        index = torch.randint(0, 512, (32,), generator=batches)
+        loss = ((wrapped(x_all[index]) - y_all[index]) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == 1 and step % 3 == 0:
+            time.sleep(straggler_s)
+    opt.finish()
+    error = float((model.weight.detach().t() - w_star).norm() / w_star.norm())
+    wrapped.close()
+    return {"relative_error": error, "weight": model.weight.detach().clone()}
+
+
+def dies_or_raises(rank: int, world_size: int, staleness: int | None, how: str) -> dict:
+    """Rank 1 exits (``how`` = "exit") or raises out of its training loop (``how`` = "raise") at step
+    3; the other ranks must end with a SyncError that names the cause within the timeout."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    wrapped = PoseidonDDP(model, timeout=5, hybrid=False)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.01, staleness=staleness)
+    start = None
+    try:
+        for step in range(40):
+            if rank == 1 and step == 3:
+                if how == "exit":
+                    os._exit(3)
+                raise ValueError("the user's training loop failed")
+            if step == 3:
+                start = time.monotonic()
+            wrapped(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.05)
+        opt.finish()
+    except SyncError as exc:
+        return {"error": str(exc), "elapsed": time.monotonic() - (start or time.monotonic())}
+    except ValueError as exc:
+        return {"raised": str(exc)}
+    return {"error": None}
+
+
+def checkpoint_resume(rank: int, world_size: int, staleness: int | None) -> dict:
+    """Train, finish, save the model and the consolidated optimizer state; load both into a fresh
+    model and optimizer (the model first, as users do); what the second ones hold after ``finish()``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    wrapped = PoseidonDDP(model, timeout=30, hybrid=False)
+    opt = ServerOptimizer(wrapped, torch.optim.AdamW, lr=0.01, staleness=staleness)
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        wrapped(torch.randn(8, 6, generator=data)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.finish()
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.consolidate_state_dict(to=0)
+    saved_opt = opt.state_dict() if rank == 0 else None
+    saved_opt = _broadcast(saved_opt)
+
+    torch.manual_seed(123)  # other initial values: the load must replace them
+    model2 = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    wrapped2 = PoseidonDDP(model2, timeout=30, hybrid=False)
+    opt2 = ServerOptimizer(wrapped2, torch.optim.AdamW, lr=0.01, staleness=staleness)
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    opt2.finish()
+    params_equal = all(torch.equal(v, model2.state_dict()[k]) for k, v in saved_model.items())
+    opt2.consolidate_state_dict(to=0)
+    reloaded = opt2.state_dict() if rank == 0 else None
+    state_equal = None
+    if rank == 0:
+        state_equal = all(torch.equal(saved_opt["state"][k][name], value) for k, entry in reloaded["state"].items()
+                          for name, value in entry.items())
+        state_equal = state_equal and saved_opt["state"].keys() == reloaded["state"].keys()
+    for _ in range(3):  # and it trains on
+        wrapped2(torch.randn(8, 6, generator=data)).pow(2).mean().backward()
+        opt2.step()
+        opt2.zero_grad()
+    opt2.finish()
+    after = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
+    wrapped.close()
+    wrapped2.close()
+    return {"params_equal": params_equal, "state_equal": state_equal, "after": after}
+
+
+def _broadcast(obj: object) -> object:
+    import torch.distributed as dist
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def loaded_without_finish(rank: int, world_size: int) -> str:
+    """Loading parameters mid-training, then training on without ``finish()``: a clear refusal."""
+    model = nn.Linear(3, 1)
+    wrapped = PoseidonDDP(model, timeout=30, hybrid=False)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, staleness=1)
+    wrapped(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    model.load_state_dict({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    try:
+        wrapped(torch.randn(2, 3)).sum().backward()
+        message = "trained on"
+    except RuntimeError as exc:
+        message = str(exc)
+    opt.finish()
+    wrapped.close()
+    return message
+
+
+def same_as_default(rank: int, world_size: int, staleness_arg: bool) -> torch.Tensor:
+    """Three steps of AdamW with ``staleness=0`` passed, or the argument left out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    wrapped = PoseidonDDP(model, timeout=30)
+    extra = {"staleness": 0} if staleness_arg else {}
+    opt = ServerOptimizer(wrapped, torch.optim.AdamW, lr=0.01, **extra)
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        wrapped(torch.randn(4, 5, generator=data)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.finish()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def refusals(rank: int, world_size: int) -> list[str]:
+    model = nn.Linear(3, 1)
+    messages = []
+    for kwargs in ({"staleness": 1, "delay": 1}, {"staleness": None, "max_grad_norm": 1.0},
+                   {"staleness": 2, "lazy_pull": True}, {"staleness": -1}, {"staleness": 1.5}):
+        wrapped = PoseidonDDP(model, timeout=30)
+        try:
+            ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, **kwargs)
+            messages.append("accepted")
+        except (TypeError, ValueError) as exc:
+            messages.append(str(exc))
+        wrapped.close()
+    return messages

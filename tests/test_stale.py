@@ -1,0 +1,148 @@
+"""SSP and asynchronous SGD on the parameter server (``ServerOptimizer(..., staleness=s)``): the bound
+holds under random stragglers, no push is lost or applied twice, least squares converges, faults end
+with a clear error on every rank, checkpoints resume, and staleness=0 is today's BSP, bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import stale_workers as sw
+
+STEPS = 8
+
+
+def check_reads(results: list[dict], staleness: int | None, world_size: int, steps: int) -> int:
+    """Every forward's read on every rank: each slot is 0 or -1/P (a push applied at most once), its own
+    pushes of earlier clocks are all in, and (SSP) every rank's pushes of clocks <= c - s - 1. Returns
+    the largest staleness seen (clocks of some rank missing that BSP would have had)."""
+    applied = -1.0 / world_size
+    worst = 0
+    for rank, result in enumerate(results):
+        for clock, read in enumerate(result["reads"]):
+            ledger = torch.tensor(read).view(world_size, steps)
+            assert bool(((ledger == 0) | (ledger == applied)).all()), f"rank {rank} clock {clock}: {ledger}"
+            has = ledger == applied
+            assert bool(has[rank, :clock].all()), f"rank {rank} clock {clock} lacks its own earlier pushes: {ledger}"
+            assert not bool(has[rank, clock:].any()), f"rank {rank} clock {clock} reads its own future"
+            for other in range(world_size):
+                missing = [c for c in range(clock) if not has[other, c]]
+                if missing:
+                    worst = max(worst, clock - missing[0])
+                if staleness is not None:
+                    assert all(c > clock - staleness - 1 for c in missing), \
+                        f"rank {rank} at clock {clock} (s={staleness}) lacks rank {other}'s pushes of clocks {missing}"
+    return worst
+
+
+schedules = st.lists(st.lists(st.sampled_from([0.0, 0.0, 0.03, 0.12]), min_size=STEPS, max_size=STEPS),
+                     min_size=3, max_size=3)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(staleness=st.sampled_from([1, 2, 3]), sleeps=schedules)
+def test_ssp_bound_holds_with_random_stragglers(cluster, staleness, sleeps):
+    results = cluster.run(sw.ledger_run, staleness, STEPS, sleeps, timeout=120)
+    worst = check_reads(results, staleness, cluster.world_size, STEPS)
+    assert worst <= staleness
+    for rank, result in enumerate(results):
+        assert all(0 <= r <= staleness for r in result["reported"]), (rank, result["reported"])
+    assert all(torch.tensor(r["final"]).eq(-1.0 / cluster.world_size).all() for r in results)
+
+
+def test_ssp_lets_the_fast_rank_run_ahead_and_no_further(cluster):
+    """A persistent straggler (the last rank): the others run ahead, by at most s clocks; without the
+    bound's wait they would run ahead by more (the straggler sleeps far longer than a step takes)."""
+    sleeps = [[0.0] * STEPS for _ in range(cluster.world_size)]
+    sleeps[-1] = [0.15] * STEPS
+    results = cluster.run(sw.ledger_run, 1, STEPS, sleeps, timeout=120)
+    worst = check_reads(results, 1, cluster.world_size, STEPS)
+    assert worst == 1, "the fast ranks never ran ahead: the mode is BSP in disguise"
+    assert max(r for res in results[:-1] for r in res["reported"]) == 1
+
+
+def test_async_applies_every_push_exactly_once(cluster):
+    sleeps = [[0.0] * STEPS for _ in range(cluster.world_size)]
+    sleeps[0] = [0.1 if c % 2 else 0.0 for c in range(STEPS)]
+    results = cluster.run(sw.ledger_run, None, STEPS, sleeps, timeout=120)
+    check_reads(results, None, cluster.world_size, STEPS)
+    for result in results:  # after finish(): every pushed gradient summed in once, on every rank
+        assert torch.tensor(result["final"]).eq(-1.0 / cluster.world_size).all(), result["final"]
+
+
+@pytest.mark.parametrize("staleness", [1, None], ids=["ssp1", "async"])
+def test_uneven_data_a_finished_rank_holds_nobody_back(cluster, staleness):
+    """Rank 0 stops after 3 steps and waits in finish(); the others train on to 8."""
+    own = [3] + [STEPS] * (cluster.world_size - 1)
+    sleeps = [[0.0] * STEPS for _ in range(cluster.world_size)]
+    results = cluster.run(sw.ledger_run, staleness, STEPS, sleeps, own, timeout=120)
+    ledger = torch.tensor(results[0]["final"]).view(cluster.world_size, STEPS)
+    expected = torch.zeros_like(ledger)
+    for rank, n in enumerate(own):
+        expected[rank, :n] = -1.0 / cluster.world_size
+    for result in results:
+        assert torch.equal(torch.tensor(result["final"]).view_as(ledger), expected)
+
+
+def test_caught_exception_in_backward_skips_that_push_only(cluster):
+    """Rank 1's backward raises at clock 2 before any gradient: that clock pushes nothing (the slot stays
+    0), every clock still counts, and training goes on under the bound on every rank."""
+    sleeps = [[0.0] * STEPS for _ in range(cluster.world_size)]
+    results = cluster.run(sw.ledger_run, 1, STEPS, sleeps, None, (1, 2), timeout=120)
+    assert results[1]["caught"] == [2]
+    ledger = torch.tensor(results[0]["final"]).view(cluster.world_size, STEPS)
+    expected = torch.full_like(ledger, -1.0 / cluster.world_size)
+    expected[1, 2] = 0.0
+    for result in results:
+        assert torch.equal(torch.tensor(result["final"]).view_as(ledger), expected)
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3, None], ids=["bsp", "ssp1", "ssp3", "async"])
+def test_least_squares_converges(cluster, staleness):
+    results = cluster.run(sw.least_squares, staleness, 150, 0.02, timeout=200)
+    for result in results:
+        assert result["relative_error"] < 1e-2, result["relative_error"]
+        assert torch.equal(result["weight"], results[0]["weight"])
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+@pytest.mark.parametrize("staleness", [1, None], ids=["ssp1", "async"])
+def test_dead_or_failed_peer_ends_with_a_clear_error(fresh_cluster, how, staleness):
+    outcomes = fresh_cluster.run_outcomes(sw.dies_or_raises, staleness, how, timeout=90)
+    survivor = outcomes[0]
+    assert survivor.ok, survivor.value
+    assert survivor.value["error"] is not None, "the survivor trained on alone to the end"
+    assert survivor.value["elapsed"] < 5 * 3 + 10, survivor.value
+    assert "rank 1" in survivor.value["error"] or "[1]" in survivor.value["error"], survivor.value["error"]
+    if how == "raise":
+        assert outcomes[1].value == {"raised": "the user's training loop failed"}
+
+
+@pytest.mark.parametrize("staleness", [1, None], ids=["ssp1", "async"])
+def test_checkpoint_resume(cluster, staleness):
+    results = cluster.run(sw.checkpoint_resume, staleness, timeout=120)
+    assert all(r["params_equal"] for r in results)
+    assert results[0]["state_equal"]
+    for result in results:
+        assert torch.equal(result["after"], results[0]["after"])
+
+
+def test_loading_parameters_mid_training_needs_finish(cluster):
+    for message in cluster.run(sw.loaded_without_finish, timeout=60):
+        assert "call opt.finish()" in message
+
+
+def test_staleness_zero_is_todays_bsp_bit_for_bit(cluster):
+    default = cluster.run(sw.same_as_default, False)
+    zero = cluster.run(sw.same_as_default, True)
+    for a, b in zip(default, zero):
+        assert torch.equal(a, b)
+
+
+def test_refusals(cluster):
+    messages = cluster.run(sw.refusals)[0]
+    assert "cannot be combined with delay" in messages[0]
+    assert "max_grad_norm" in messages[1]
+    assert "lazy_pull" in messages[2]
+    assert "int >= 0" in messages[3] and "int >= 0" in messages[4]
