@@ -477,7 +477,7 @@ class Engine:
             self._learn_if_needed()
         self._close_pass(p)
         # a deferred pass closes during the next round's forward: its iteration began with its own round
-        self.recorder.end_iteration(p.round.began_ns if p.round is not None else None)
+        self.recorder.end_iteration(p.round.began_ns if p.round is not None else None, **self.consistency.trace_args())
         if facts.aborted and not p.aborted:
             peers = ", ".join(map(str, facts.aborted_ranks))
             raise SyncError(f"the backward of rank(s) {peers} was aborted (an exception on that rank) in this step: "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .barrier import SyncError
@@ -66,6 +68,10 @@ class Stale(BSP):
 
     def server_for(self, facade: ServerOptimizer, ps: PSPath, sfb: Any, control: Collectives,
                    timeout: float) -> tuple[StaleServer, StalePath, StalePath]:
+        devices = sorted({p.device.type for p in facade.model.module.parameters()} - {"cpu"})
+        if devices:
+            raise NotImplementedError(f"ServerOptimizer(staleness={self.staleness}) runs on CPU parameters only for "
+                                      f"now (the model has {devices} ones): its server threads exchange host tensors")
         self.server = StaleServer(facade, control, self.staleness, timeout)
         path = StalePath(ps, self.server)
         return self.server, path, path
@@ -73,6 +79,13 @@ class Stale(BSP):
     def forget_values(self) -> None:
         if self.server is not None:
             self.server.parameters_loaded = True
+
+    def before_forward(self) -> None:
+        if self.server is not None and torch.is_grad_enabled():
+            self.server.refuse_if_loaded()
+
+    def trace_args(self) -> dict:
+        return {"clock": self.server.clock, "staleness": self.server.pass_staleness()}
 
 
 @dataclass(eq=False)
@@ -125,6 +138,8 @@ class StaleServer:
         self._owned: dict[int, _Owned] = {}
         self._cids: dict[int, list[tuple[int, Chunk]]] = {}  #: id(bucket) -> (chunk id, chunk)
         self._done = [False] * self.size
+        self._dead: set[int] = set()  #: requesters an answer could not reach
+        self._heard = [time.monotonic()] * self.size  #: when each rank's last push or DONE arrived
         self._waiting: list[tuple[int, int, int]] = []  #: (rank, chunk id, clock) answers due later
         self._send_locks = defaultdict(threading.Lock)
         self._log = _PassLog()
@@ -157,13 +172,17 @@ class StaleServer:
         self._take_parameters()
         self.control.barrier()  # every owner ready before any rank pushes (installs are collective)
 
-    def begin_pass(self) -> None:
+    def refuse_if_loaded(self) -> None:
+        """A forward that may train must not run on loaded parameters the owners have not taken yet."""
         if self.parameters_loaded:
             raise RuntimeError("the parameters were loaded while the ServerOptimizer runs with staleness: call "
                                "opt.finish() (or opt.load_state_dict) on every rank before training on, so the "
                                "servers take the loaded values")
+
+    def begin_pass(self) -> None:
         self.clock += 1
         self._log = _PassLog()
+        self.facade.forget_consolidated()  # this pass's pushes change the state
 
     def pushed(self) -> None:
         pass
@@ -193,12 +212,14 @@ class StaleServer:
         return self._loaded or any(shard.inner is not None and shard.inner.state for shard in self.shards.values())
 
     def load(self, full_state: dict | None) -> None:
-        if not full_state:
-            return
-        with self._cond:
-            for shard in self.shards.values():
-                shard.load(full_state)
-        self._loaded = True
+        """Each owned piece's part of a torch-format state (collective: no rank pushes before every
+        owner loaded)."""
+        if full_state:
+            with self._cond:
+                for shard in self.shards.values():
+                    shard.load(full_state)
+            self._loaded = True
+        self.control.barrier()
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the server threads: each listens to the ranks on one side, and the neighbour on that
@@ -220,7 +241,7 @@ class StaleServer:
         remote = []
         for cid, chunk in self._cids[id(bucket)]:
             if chunk.owner != self.rank:
-                reply = torch.empty(chunk.stop - chunk.start + 1, dtype=bucket.flat.dtype)
+                reply = torch.empty(chunk.stop - chunk.start + 1, dtype=reply_dtype(bucket.flat.dtype))
                 work = self._backend_to(self.rank, chunk.owner).recv([reply], chunk.owner, REPLY + cid)
                 payload = torch.cat([bucket.flat[chunk.start:chunk.stop], flags])
                 self._push(chunk.owner, cid, clock, payload)
@@ -283,8 +304,8 @@ class StaleServer:
     def _behind(self, clock: int) -> list[int]:
         with self._cond:
             needed = clock + 1 - (self.bound or 0)
-            return sorted({r for owned in self._owned.values() for r in range(self.size)
-                           if owned.applied[r] < needed and not self._done[r]})
+            return sorted(self._dead | {r for owned in self._owned.values() for r in range(self.size)
+                                        if owned.applied[r] < needed and not self._done[r]})
 
     # ---- the owner's side --------------------------------------------------------------------------
 
@@ -302,6 +323,7 @@ class StaleServer:
                 if kind == DONE:
                     with self._cond:
                         self._done[source] = True
+                        self._heard[source] = time.monotonic()
                         replies = self._due()
                         self._cond.notify_all()
                     self._send_replies(replies)
@@ -327,6 +349,7 @@ class StaleServer:
                 self._step(owned, payload, flags)
             owned.applied[source] += 1
             self._done[source] = False
+            self._heard[source] = time.monotonic()
             self._waiting.append((source, cid, clock))
             replies = self._due()
             self._cond.notify_all()
@@ -350,7 +373,7 @@ class StaleServer:
         """Chunk ``cid``'s values, and how many clocks of the slowest rank they lack for a forward at
         ``clock`` + 1 (lock held)."""
         owned = self._owned[cid]
-        out = torch.zeros(owned.chunk.stop - owned.chunk.start + 1, dtype=owned.bucket.flat.dtype)
+        out = torch.zeros(owned.chunk.stop - owned.chunk.start + 1, dtype=reply_dtype(owned.bucket.flat.dtype))
         for piece in owned.shard.pieces:
             offset = piece.flat_start - owned.chunk.start
             out[offset:offset + piece.hi - piece.lo].copy_(piece.tensor.reshape(-1))
@@ -372,8 +395,18 @@ class StaleServer:
         return due
 
     def _send_replies(self, replies: list[_Reply]) -> None:
+        """Send the answers due; a requester that cannot be reached (it died, or gave up waiting) is
+        marked dead and named by the waits it stalls, and the other peers are served on."""
         for reply in replies:
-            self._backend_to(reply.rank).send([reply.values], reply.rank, REPLY + reply.cid).wait()
+            if reply.rank in self._dead:
+                continue
+            try:
+                self._backend_to(reply.rank).send([reply.values], reply.rank, REPLY + reply.cid).wait(
+                    timedelta(seconds=self.timeout))
+            except RuntimeError:
+                with self._cond:
+                    self._dead.add(reply.rank)
+                    self._cond.notify_all()
 
     # ---- the end of a stretch of training ---------------------------------------------------------
 
@@ -388,14 +421,10 @@ class StaleServer:
             self._done[self.rank] = True
             replies = self._due()
         self._send_replies(replies)
-        with self._cond:  # every rank sent its DONE after its last push was answered, so applied
-            if not self._cond.wait_for(lambda: self.failure is not None or all(self._done), self.timeout):
-                missing = [r for r, done in enumerate(self._done) if not done]
-                raise SyncError(f"staleness={self.bound}: finish() on rank {self.rank} waited {self.timeout:.0f}s for "
-                                f"rank(s) {missing} to finish (dead, stalled, or not calling finish())")
-            if self.failure is not None:
-                raise self.failure
-        if self.parameters_loaded:
+        self._wait_for_everyone()
+        loaded = torch.tensor([float(self.parameters_loaded)])
+        self.control.all_reduce(loaded, dist.ReduceOp.MAX)  # one rank loaded: the same collective everywhere
+        if loaded.item():
             self._take_parameters()
         else:
             self._give_parameters()
@@ -403,9 +432,26 @@ class StaleServer:
             for owned in self._owned.values():
                 owned.applied = [0] * self.size
             self._done = [False] * self.size
+            self._heard = [time.monotonic()] * self.size
             self._waiting = []
         self.clock = -1
         self.control.barrier()  # nobody pushes before every owner started its clocks again
+
+    def _wait_for_everyone(self) -> None:
+        """Until every rank sent its DONE (after its last push was answered, so applied): as long as
+        the ranks still missing are heard from (they push every step, however long their data lasts);
+        one silent for the timeout, dead or stalled, is named."""
+        with self._cond:
+            while not all(self._done) and self.failure is None:
+                now = time.monotonic()
+                silent = [r for r, done in enumerate(self._done) if not done and now - self._heard[r] > self.timeout]
+                if silent or self._dead:
+                    raise SyncError(f"staleness={self.bound}: finish() on rank {self.rank}: rank(s) "
+                                    f"{sorted(set(silent) | self._dead)} neither pushed nor finished for "
+                                    f"{self.timeout:.0f}s (dead, stalled, or not calling finish())")
+                self._cond.wait(min(self.timeout, 1.0))
+            if self.failure is not None:
+                raise self.failure
 
     def _take_parameters(self) -> None:
         """The owned pieces start from the parameters."""
@@ -432,6 +478,12 @@ class StaleServer:
     def pass_staleness(self) -> int:
         """The most clocks of the slowest rank missing from the values this rank's last pass read."""
         return self._log.staleness
+
+
+def reply_dtype(dtype: torch.dtype) -> torch.dtype:
+    """An answer's dtype: the values' own, widened to fp32 for 16-bit ones (exact both ways), so that its
+    staleness trailer is an exact integer up to 2**24."""
+    return torch.float32 if dtype.itemsize < 4 else dtype
 
 
 def payload_bytes(bucket: Bucket, chunk: Chunk) -> int:

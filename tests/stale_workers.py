@@ -79,7 +79,7 @@ def least_squares(rank: int, world_size: int, staleness: int | None, steps: int,
     y_all = x_all @ w_star
     torch.manual_seed(1)
     model = nn.Linear(6, 1, bias=False)
-    wrapped = PoseidonDDP(model, timeout=30, hybrid=False)
+    wrapped = PoseidonDDP(model, timeout=30)  # hybrid, the default: an FC layer SSP keeps on PS
     opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, staleness=staleness)
     batches = torch.Generator().manual_seed(100 + rank)
     for step in range(steps):
@@ -165,7 +165,8 @@ def checkpoint_resume(rank: int, world_size: int, staleness: int | None) -> dict
     after = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
     wrapped.close()
     wrapped2.close()
-    return {"params_equal": params_equal, "state_equal": state_equal, "after": after}
+    saved = torch.cat([v.reshape(-1) for v in saved_model.values()])
+    return {"params_equal": params_equal, "state_equal": state_equal, "after": after, "saved": saved}
 
 
 def _broadcast(obj: object) -> object:
@@ -193,20 +194,30 @@ def loaded_without_finish(rank: int, world_size: int) -> str:
     return message
 
 
-def same_as_default(rank: int, world_size: int, staleness_arg: bool) -> torch.Tensor:
-    """Three steps of AdamW with ``staleness=0`` passed, or the argument left out."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
-    wrapped = PoseidonDDP(model, timeout=30)
-    extra = {"staleness": 0} if staleness_arg else {}
-    opt = ServerOptimizer(wrapped, torch.optim.AdamW, lr=0.01, **extra)
-    data = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        wrapped(torch.randn(4, 5, generator=data)).pow(2).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    opt.finish()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+def same_as_default(rank: int, world_size: int) -> dict:
+    """Three steps of AdamW: ``staleness=0`` passed, the argument left out, and torch DDP with a plain
+    AdamW, from the same weights on the same data; and the policy the engine ran."""
+    out = {}
+    for name in ("zero", "default", "ddp"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+        if name == "ddp":
+            wrapped = nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(wrapped.parameters(), lr=0.01)
+        else:
+            wrapped = PoseidonDDP(model, timeout=30)
+            opt = ServerOptimizer(wrapped, torch.optim.AdamW, lr=0.01, **({"staleness": 0} if name == "zero" else {}))
+            out[f"{name}_lockstep"] = wrapped.engine.consistency.lockstep
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            wrapped(torch.randn(4, 5, generator=data)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if name != "ddp":
+            opt.finish()
+            wrapped.close()
+        out[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return out
 
 
 def refusals(rank: int, world_size: int) -> list[str]:
@@ -222,3 +233,25 @@ def refusals(rank: int, world_size: int) -> list[str]:
             messages.append(str(exc))
         wrapped.close()
     return messages
+
+
+def traced_staleness(rank: int, world_size: int, trace_dir: str) -> dict:
+    """A traced SSP run (s = 1) with the last rank a persistent straggler: the clock and staleness the
+    tracer's iteration spans carry, and what ``last_staleness`` said at each step."""
+    from poseidon_torch.trace import load_spans
+
+    steps = 8
+    model = Ledger(world_size, steps)
+    wrapped = PoseidonDDP(model, timeout=30, hybrid=False, trace_dir=trace_dir, trace_skip=1, trace_iters=5)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=1.0, staleness=1)
+    reported = []
+    for clock in range(steps):
+        wrapped(_one_hot(model, rank, clock)).backward()
+        opt.step()
+        reported.append(opt.last_staleness)
+        if rank == world_size - 1:
+            time.sleep(0.1)
+    opt.finish()
+    wrapped.close()
+    spans = load_spans(f"{trace_dir}/trace_rank{rank}.json")[rank]
+    return {"iterations": [span.args for span in spans if span.kind == "iteration"], "reported": reported}

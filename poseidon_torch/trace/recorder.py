@@ -107,13 +107,14 @@ class Recorder:
                 self.add(kind, name, lane, since, now, path=path)
             kind, since = following, now
 
-    def end_iteration(self, began_ns: int | None = None) -> None:
+    def end_iteration(self, began_ns: int | None = None, **args) -> None:
         """The iteration whose pass closes now ended; it began at ``began_ns`` (its round's first
-        forward: earlier than the latest :meth:`start_iteration` when the pass was deferred)."""
+        forward: earlier than the latest :meth:`start_iteration` when the pass was deferred); ``args``:
+        what the consistency policy says of it (SSP: the clock and the staleness its answers had)."""
         if not self.active:
             return
         began = self._iteration_start if began_ns is None else began_ns
-        self.add("iteration", "iteration", "compute", began, time.monotonic_ns())
+        self.add("iteration", "iteration", "compute", began, time.monotonic_ns(), **args)
         if self._iteration + 1 == self.config.skip + self.config.iters:
             self.active = False
             self._write()

@@ -23,8 +23,9 @@ Invariants:
   gets the same straggler; without it the rank calibrates.
 - ``--time-budget``: when rank 0's clock passes it after ``n`` steps, it publishes ``stop = n + 1`` in the
   run's store and every rank stops after step ``stop`` (all ranks run the same number of steps; a rank of
-  a synchronous mode is never more than one step ahead of another; under SSP or asynchronous SGD a rank
-  already past it stops at once, and ``finish()`` then lands the owners' newest values everywhere).
+  a synchronous mode is never more than one step ahead of another; under SSP or asynchronous SGD every
+  rank stops as soon as it is published, wherever its own clock is, and ``finish()`` then lands the
+  owners' newest values everywhere).
 - Rank 0 writes the result; any error or running past ``--timeout`` ends the process non-zero.
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from poseidon_torch.bench.accuracy.stragglers import Straggler, parse_straggler
 from poseidon_torch.bench.accuracy.tasks import TASKS, Task
 from poseidon_torch.bench.launch import exit_worker, worker_main
-from poseidon_torch.bench.worker import MODES, POSEIDON_MODES, make_optimizer, wrapper_for
+from poseidon_torch.bench.worker import MODES, POSEIDON_MODES, STALE_MODES, make_optimizer, wrapper_for
 
 DATA_SEED = 97
 CALIBRATION_STEPS = 5
@@ -122,11 +123,13 @@ def copy_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class StopRule:
-    """When to stop: after ``--steps``, or at the step rank 0 publishes once its clock passes the budget."""
+    """When to stop: after ``--steps``, or at the step rank 0 publishes once its clock passes the budget
+    (SSP and asynchronous modes, whose ranks run on their own clocks: as soon as it is published)."""
 
     def __init__(self, args: argparse.Namespace, store: dist.Store, rank: int, clock: Clock) -> None:
         self.steps, self.budget, self.store, self.rank, self.clock = args.steps, args.time_budget, store, rank, clock
         self.stop_at: int | None = None
+        self.at_once = args.mode in STALE_MODES
 
     def done(self, steps_done: int) -> bool:
         if self.steps is not None and steps_done >= self.steps:
@@ -138,7 +141,7 @@ class StopRule:
             self.store.set("stop_at", str(self.stop_at))
         if self.stop_at is None and self.store.check(["stop_at"]):
             self.stop_at = int(self.store.get("stop_at"))
-        return self.stop_at is not None and steps_done >= self.stop_at
+        return self.stop_at is not None and (self.at_once or steps_done >= self.stop_at)
 
 
 def train(args: argparse.Namespace, task: Task, straggler: Straggler, store: dist.Store, rank: int,
