@@ -25,6 +25,9 @@ torch's optimizers skip them). Invariants of :class:`Delayed`:
 - the averages are deterministic: the same bits as BSP's average of the same gradients.
 :class:`DelayedValues` is Pipe-SGD in parameter-server mode: the forward of step t reads the values of
 step t-1-k, while the owners step from the newest values: w_{t+1} = opt(w_t, g(w_{t-k})).
+SSP and asynchronous SGD (``ServerOptimizer(..., staleness=s)``) are the policy ``Stale`` in ``stale.py``:
+its ranks run on their own clocks, so it is not ``lockstep`` (the engine then issues no per-step
+collective) and it builds its own server and paths (``server_for``).
 """
 from __future__ import annotations
 

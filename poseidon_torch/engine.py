@@ -23,7 +23,10 @@ native) owns what happens per parameter and per bucket inside a pass.
 - in parameter-server mode (a ServerOptimizer) the jobs apply the update and carry new values; once the
   buckets are learned, a pass is *deferred*: ``backward()`` returns while its jobs run, each layer's
   forward pre-hook waits for its bucket and copies its values in, and the pass *settles* (every job
-  done, every value applied, closed) at the end of the next synced forward or at ``step()``.
+  done, every value applied, closed) at the end of the next synced forward or at ``step()``;
+- the consistency policy (``consistency.py``) decides when averages or values become visible; one that
+  is not ``lockstep`` (SSP, asynchronous SGD: ``stale.py``) runs every rank on its own clock, so a pass
+  knows only its own facts (no exchange) and the buckets are fused once, when the mode begins.
 """
 from __future__ import annotations
 

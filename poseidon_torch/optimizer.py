@@ -2,7 +2,7 @@
 
 The user-facing side of parameter-server mode: the optimizer class, its param groups and
 hyperparameters as torch's optimizers hold them, the options every rank must agree on (``lazy_pull``,
-``max_grad_norm``, Pipe-SGD's ``delay``), ``step()`` / ``zero_grad()`` / ``state_dict()`` as torch's, and the
+``max_grad_norm``, Pipe-SGD's ``delay``, SSP's ``staleness``), ``step()`` / ``zero_grad()`` / ``state_dict()`` as torch's, and the
 refusals (optimizers that cannot run on shards, ``GradScaler``). It attaches itself to a
 :class:`~poseidon_torch.PoseidonDDP`, whose engine builds the shards; this module imports the wrapper,
 the engine's modules never import this one.
@@ -81,7 +81,10 @@ class ServerOptimizer(torch.optim.Optimizer):
     new values land just before its next forward). ``zero_grad()`` is harmless: the server spends the
     gradients. With ``delay=k`` (Pipe-SGD) the new values land k steps later: the forward of step t
     reads the values of step t-1-k while the owners step from the newest (``consistency.py``), and
-    ``step()`` returns at once.
+    ``step()`` returns at once. With ``staleness=s`` (stale synchronous parallel) or ``staleness=None``
+    (asynchronous, Downpour) each rank runs on its own clock: the owners apply every push when it
+    arrives (gradient / P) and a forward reads values that lack at most s clocks of any rank
+    (``stale.py``); every rank calls :meth:`finish` at the end.
 
     Gradient clipping by the global norm is an option here, ``max_grad_norm=1.0``: the owners scale
     the averaged gradients as ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` would before
