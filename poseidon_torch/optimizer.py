@@ -2,7 +2,8 @@
 
 The user-facing side of parameter-server mode: the optimizer class, its param groups and
 hyperparameters as torch's optimizers hold them, the options every rank must agree on (``lazy_pull``,
-``max_grad_norm``, Pipe-SGD's ``delay``, SSP's ``staleness``), ``step()`` / ``zero_grad()`` / ``state_dict()`` as torch's, and the
+``max_grad_norm``, Pipe-SGD's ``delay``, SSP's ``staleness``), ``step()`` / ``zero_grad()`` /
+``state_dict()`` as torch's, and the
 refusals (optimizers that cannot run on shards, ``GradScaler``). It attaches itself to a
 :class:`~poseidon_torch.PoseidonDDP`, whose engine builds the shards; this module imports the wrapper,
 the engine's modules never import this one.

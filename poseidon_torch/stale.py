@@ -41,7 +41,7 @@ from .bucket import Bucket
 from .consistency import BSP
 from .kvstore import Chunk, PSPath
 from .pools import Backend, Collectives, make_backend
-from .server import BucketShard, hyperparameters, pieces_of
+from .server import BucketShard, ServerPath, hyperparameters, pieces_of
 
 if TYPE_CHECKING:
     from .optimizer import ServerOptimizer
@@ -490,16 +490,9 @@ def payload_bytes(bucket: Bucket, chunk: Chunk) -> int:
     return (chunk.stop - chunk.start + len(bucket.params) + 1) * bucket.flat.element_size()
 
 
-class StalePath:
-    """A bucket's job in SSP/asynchronous mode: push every chunk, take the values the owners answer."""
-
-    name = "PS"
-
-    def __init__(self, ps: PSPath, server: StaleServer) -> None:
-        self.ps, self.server = ps, server
-
-    def stage(self, bucket: Bucket, ctx) -> None:
-        bucket.stage(ctx.aborted, ctx.shadow, grads_present=True)
+class StalePath(ServerPath):
+    """A bucket's job in SSP/asynchronous mode: push every chunk, take the values the owners answer
+    (staged as the BSP server path stages: every parameter with a ``.grad`` is stepped)."""
 
     def sync(self, bucket: Bucket, groups: Any, ctx) -> Iterator[str]:
         yield "network"
