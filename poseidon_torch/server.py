@@ -216,6 +216,15 @@ def _take(value: Any, piece: Piece) -> Any:
     return value.clone() if isinstance(value, Tensor) else value
 
 
+def export_shards(shards: Iterable[BucketShard]) -> dict[int, list]:
+    """Every shard's :meth:`BucketShard.export`, per parameter key."""
+    out: dict[int, list] = defaultdict(list)
+    for shard in shards:
+        for key, items in shard.export().items():
+            out[key].extend(items)
+    return dict(out)
+
+
 def merge_exports(exports: Iterable[dict], shapes: dict[int, torch.Size]) -> dict[int, dict[str, Any]]:
     """Whole-parameter state (torch's format, per key) from every rank's :meth:`BucketShard.export`
     (replicated pieces, found on several ranks, are taken once)."""
@@ -333,11 +342,7 @@ class Server:
         return self.shards[id(bucket)]
 
     def export(self) -> dict:
-        out: dict[int, list] = defaultdict(list)
-        for shard in self.shards.values():
-            for key, items in shard.export().items():
-                out[key].extend(items)
-        return dict(out)
+        return export_shards(self.shards.values())
 
     def state_bytes(self) -> int:
         return sum(shard.state_bytes() for shard in self.shards.values())

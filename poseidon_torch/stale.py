@@ -41,7 +41,7 @@ from .bucket import Bucket
 from .consistency import BSP
 from .kvstore import Chunk, PSPath
 from .pools import Backend, Collectives, make_backend
-from .server import BucketShard, ServerPath, hyperparameters, pieces_of
+from .server import BucketShard, ServerPath, export_shards, hyperparameters, pieces_of
 
 if TYPE_CHECKING:
     from .optimizer import ServerOptimizer
@@ -198,12 +198,8 @@ class StaleServer:
     keeps_aborted_values = True
 
     def export(self) -> dict:
-        out: dict[int, list] = defaultdict(list)
         with self._cond:
-            for shard in self.shards.values():
-                for key, items in shard.export().items():
-                    out[key].extend(items)
-        return dict(out)
+            return export_shards(self.shards.values())
 
     def state_bytes(self) -> int:
         return sum(shard.state_bytes() for shard in self.shards.values())
