@@ -56,6 +56,12 @@ class Layer:
         return p.dtype, p.device
 
 
+def flat_numel(grad_numel: int, tensors: int) -> int:
+    """Elements of a bucket's flat buffer, what the PS path moves: the gradients, then one flag per
+    tensor (its gradient was defined) and one for the bucket."""
+    return grad_numel + tensors + 1
+
+
 class Bucket:
     """The parameters of one sync job, their flat buffer and the flags the core and the paths share."""
 
@@ -71,7 +77,7 @@ class Bucket:
             offset += p.numel()
         self.grad_numel = offset
         device = torch.device("cpu") if pin_memory else self.device
-        self.flat = torch.zeros(self.grad_numel + len(self.params) + 1, dtype=self.dtype, device=device,
+        self.flat = torch.zeros(flat_numel(self.grad_numel, len(self.params)), dtype=self.dtype, device=device,
                                 pin_memory=pin_memory)
         self.fc = None  #: the FC layer (sfb.FCLayer) when this bucket may take the SFB path
         n = len(self.params)

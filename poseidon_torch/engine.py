@@ -176,6 +176,7 @@ class Engine:
             layer.engine_hooks = self.core.python_hooks_per_param
         self._round: Round | None = None
         self._latest_forward_synced = False
+        recorder.layout = self.layout
         self._armed: dict[int, Round] = {}  # graph task -> round, for synced backwards now running
         self._backward_start_ns = 0  # when the last synced backward reached the outputs
         self._pass: Pass | None = None
@@ -199,6 +200,21 @@ class Engine:
         self._install(build_buckets(groups, staged, self._fc_of))
 
     # ---- buckets -------------------------------------------------------------------------------
+
+    def layout(self) -> dict:
+        """What a simulator needs of this model (:mod:`poseidon_torch.simulate`): the buckets in sync
+        order, each layer's parameter bytes and, for an FC layer, its shape and the largest rows per rank
+        of the last pass (only for a layer alone in its bucket: the others are not watched, their K is
+        unknown); the link and GEMM rate the coordinator costs with."""
+        def describe(layer: Layer) -> dict:
+            fc = self.fc.get(layer.name)
+            watched = fc is not None and fc.watching
+            shape = {"m": fc.m, "n": fc.n, "k": self.coordinator.k_max[fc.name]} if watched else None
+            return {"name": layer.name, "bytes": layer.nbytes, "tensors": len(layer.params), "fc": shape}
+        return {"element_size": self.params[0].element_size() if self.params else 4,
+                "gemm_flops": self.coordinator.gemm_flops,
+                "link": {"alpha_s": self.link.alpha_s, "beta_s_per_byte": self.link.beta_s_per_byte},
+                "buckets": [{"name": b.name, "layers": [describe(layer) for layer in b.layers]} for b in self.buckets]}
 
     def _fc_of(self, layer: Layer) -> FCLayer | None:
         return self.fc.get(layer.name)

@@ -98,6 +98,12 @@ def load_spans(path: PathLike) -> dict[int, list[Span]]:
     return dict(sorted(spans.items()))
 
 
+def load_metadata(path: PathLike) -> dict[int, dict]:
+    """``{rank: that rank's otherData.poseidon}`` of a per-rank or merged trace (its window and, when the
+    engine wrote it, the model's ``layout``)."""
+    return _rank_metas(_read_trace(path), path)
+
+
 def _lane_key(lane: str) -> tuple[bool, list[tuple[int, int | str]]]:
     parts = re.split(r"(\d+)", lane)
     return lane != COMPUTE_LANE, [(0, int(part)) if part.isdigit() else (1, part) for part in parts]

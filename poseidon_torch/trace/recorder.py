@@ -65,6 +65,8 @@ class Recorder:
         self._gather = gather
         self._iteration = -1
         self._iteration_start = 0
+        #: the model's buckets and layers, written into the trace's metadata (the engine sets it)
+        self.layout: Callable[[], dict] | None = None
         self.clock_offset_ns = self._measure_clock_offset() if config else 0
 
     def _measure_clock_offset(self) -> int:
@@ -122,15 +124,21 @@ class Recorder:
     def _write(self) -> None:
         self._closed = True
         gathered: list[list[Span]] = self._gather(self.spans)
-        self._writer = threading.Thread(target=self._write_files, args=(gathered,), name="poseidon-trace-writer")
+        self._writer = threading.Thread(target=self._write_files, args=(gathered, self._meta(self.config.iters)),
+                                        name="poseidon-trace-writer")
         self._writer.start()
 
-    def _write_files(self, gathered: list[list[Span]], recorded: int | None = None) -> None:
+    def _meta(self, recorded: int) -> dict:
+        """The trace's metadata, taken on the training thread (the layout reads the engine's buckets)."""
+        meta = {"skip": self.config.skip, "iters": self.config.iters, "recorded": recorded}
+        if self.layout is not None:
+            meta["layout"] = self.layout()
+        return meta
+
+    def _write_files(self, gathered: list[list[Span]], meta: dict) -> None:
         """This rank's trace, and on rank 0 the merged one of ``gathered`` (every rank's spans, if any)."""
         out = Path(self.config.directory)
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"skip": self.config.skip, "iters": self.config.iters,
-                "recorded": self.config.iters if recorded is None else recorded}
         own = out / f"trace_rank{self.rank}.json"
         files.write_rank_trace(own, self.spans, self.rank, self.world_size, meta)
         self.written.append(own)
@@ -149,7 +157,7 @@ class Recorder:
             self._say(f"the run ended after {self._iteration + 1} synced iteration(s), before the trace window "
                       f"began (trace_skip={self.config.skip}): nothing was recorded; lower trace_skip")
             return
-        self._write_files([], recorded)
+        self._write_files([], self._meta(recorded))
         self._say(f"the run ended after {recorded} of the {self.config.iters} traced iteration(s): wrote each rank's "
                   f"trace to {self.config.directory}/trace_rank*.json (no merged trace); merge them with "
                   f"`python -m poseidon_torch.trace merge -o trace_merged.json {self.config.directory}/trace_rank*.json`")

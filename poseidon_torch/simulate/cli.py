@@ -1,0 +1,119 @@
+"""``python -m poseidon_torch.simulate``: predict scaling from one traced run (or a profile).
+
+Usage::
+
+    python -m poseidon_torch.simulate TRACE --hosts 2,4,8 --bandwidth 10gbit [--latency-us 50] [--json]
+        [--schemes ddp,ps,wfbp,poseidon,wfbp+delay,poseidon+delay] [--slowdown S] [--compute-scale F]
+        [--gemm-gflops G] [--plot speedup.png] [--profile-out profile.json]
+
+TRACE is a ``trace_merged.json`` or a rank's trace (the tracer's, with the model layout), a profile
+JSON (``--profile-out`` writes one to edit), or ``vgg19-22k``: the Poseidon paper's model, printed beside
+the paper's speed-ups at 40 GbE. Errors print ``poseidon-simulate: error: ...`` and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from ..bench.netns import parse_rate
+from ..coordinator import format_bytes
+from ..link import LinkModel
+from ..trace.files import TraceFormatError
+from . import paper
+from .predict import Row, predict
+from .profile import Profile, load
+from .schemes import SCHEMES
+
+PROG = "poseidon-simulate"
+DEFAULT_HOSTS = "1,2,4,8,16,32,64"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        profile = _profile(args)
+        link = LinkModel.from_gbps(parse_rate(args.bandwidth) / 1e9, args.latency_us)
+        rows = predict(profile, args.schemes.split(","), _hosts(args.hosts), link, args.slowdown)
+    except (OSError, ValueError, TraceFormatError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    figures = paper.PAPER_40GBE if args.trace == paper.NAME and link.bandwidth_gbps == paper.PAPER_BANDWIDTH_GBPS \
+        else {}
+    if args.json:
+        print(json.dumps([_with_paper(row.to_dict(), figures) for row in rows], indent=1))
+    else:
+        print(format_rows(rows, profile, link, figures))
+    if args.plot:
+        from .plot import plot_speedup
+
+        plot_speedup(rows, args.plot, f"{profile.source}, {link}", figures)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Predict iteration time and speed-up on N machines "
+                                     "from one traced run, for torch DDP, a plain PS, WFBP and Poseidon.")
+    parser.add_argument("trace", metavar="TRACE", help=f"trace JSON, profile JSON, or {paper.NAME!r}")
+    parser.add_argument("--hosts", default=DEFAULT_HOSTS, help=f"machines, comma-separated [{DEFAULT_HOSTS}]")
+    parser.add_argument("--bandwidth", required=True, help="per machine, as tc writes it: 10gbit, 500mbit")
+    parser.add_argument("--latency-us", type=float, default=50.0, help="per message [50]")
+    parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated [{','.join(SCHEMES)}]")
+    parser.add_argument("--slowdown", type=float, default=1.0,
+                        help="compute runs this many times slower while the link is busy [1]")
+    parser.add_argument("--compute-scale", type=float, default=1.0,
+                        help="every compute time times this (e.g. a faster or busier machine) [1]")
+    parser.add_argument("--gemm-gflops", type=float, help="SFB's rebuild GEMM rate [the trace's probe]")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="write the speed-up curves")
+    parser.add_argument("--profile-out", metavar="JSON", help="write the profile taken from TRACE")
+    return parser
+
+
+def _profile(args: argparse.Namespace) -> Profile:
+    profile = paper.vgg19_22k() if args.trace == paper.NAME else load(args.trace)
+    if args.gemm_gflops is not None:
+        profile = replace(profile, gemm_flops=args.gemm_gflops * 1e9)
+    if args.compute_scale != 1.0:
+        profile = profile.scaled(args.compute_scale)
+    if args.profile_out:
+        with open(args.profile_out, "w", encoding="utf-8") as stream:
+            json.dump(profile.to_dict(), stream, indent=1)
+    return profile
+
+
+def _hosts(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--hosts takes comma-separated integers, got {text!r}") from None
+
+
+def _with_paper(row: dict, figures: dict) -> dict:
+    reported = figures.get(row["scheme"], {}).get(row["hosts"])
+    return row if reported is None else {**row, "paper_speedup": reported}
+
+
+def format_rows(rows: list[Row], profile: Profile, link: LinkModel, figures: dict | None = None) -> str:
+    """The rows as an aligned table, with the paper's speed-up and the gap where ``figures`` has them."""
+    figures = figures or {}
+    header = ["scheme", "hosts", "iteration", "speed-up", "throughput", "exposed comm", "sent/machine", "SFB layers"]
+    if figures:
+        header += ["paper", "gap"]
+    table = [header]
+    for row in rows:
+        cells = [row.scheme, str(row.hosts), f"{row.iteration_s * 1e3:.1f} ms", f"{row.speedup:.2f}",
+                 f"{row.throughput:.1f} {row.throughput_unit}", f"{row.exposed_comm_s * 1e3:.1f} ms",
+                 format_bytes(row.bytes_per_machine), str(len(row.sfb_layers))]
+        reported = figures.get(row.scheme, {}).get(row.hosts)
+        if figures:
+            cells += ["-", "-"] if reported is None else [f"{reported:.2f}", f"{row.speedup / reported - 1:+.0%}"]
+        table.append(cells)
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    gemm = "-" if profile.gemm_flops is None else f"{profile.gemm_flops / 1e9:.4g} GFLOP/s"
+    lines.append(f"profile: {profile.source}; {len(profile.layers)} layers, {format_bytes(profile.nbytes)}, "
+                 f"one machine {profile.compute_s * 1e3:.1f} ms per iteration; GEMM {gemm}; link: {link}")
+    return "\n".join(lines)

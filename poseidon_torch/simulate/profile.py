@@ -1,0 +1,178 @@
+"""A model's profile: what the simulator needs to replay one iteration on any number of machines.
+
+A profile lists the layers in the order their gradients become ready (backward order), each with its
+parameter bytes, its share of the backward compute in seconds and, for an FC layer, its shape (M outputs,
+N inputs, K rows per machine and iteration); the forward's seconds; the seconds between iterations
+(optimizer step, data: ``other_s``); and the buckets of the traced run (neighbouring layers synced as one
+job). Three sources:
+
+- :func:`from_trace`: a trace the bundled tracer wrote (medians over the traced rank-iterations; the
+  engine writes the model's layout into the trace's metadata). The trace times buckets, not layers: a
+  bucket's backward time is split between its layers by parameter bytes;
+- :meth:`Profile.from_dict` / :func:`load`: a JSON file of the same fields (a user's own measured
+  per-layer times), which :meth:`Profile.to_dict` writes;
+- :mod:`.paper`: layer shapes, with compute split by FLOPs.
+
+Invariants: every time is finite and >= 0; every layer name is unique; ``buckets`` (when given)
+partitions the layers into runs of neighbours, in order.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, replace
+
+from ..trace.files import PathLike, load_metadata, load_spans
+from ..trace.spans import Span
+
+
+@dataclass(frozen=True)
+class FCShape:
+    """An FC layer y = W a + b with W of M x N, and K rows per machine and iteration (what SFB sends)."""
+
+    m: int
+    n: int
+    k: int
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    name: str
+    nbytes: int            #: parameter (and gradient) bytes
+    backward_s: float      #: this layer's share of the backward compute
+    fc: FCShape | None = None
+    tensors: int = 1       #: parameter tensors (the PS path sends a flag per tensor)
+
+
+@dataclass(frozen=True)
+class Profile:
+    layers: tuple[LayerProfile, ...]  #: in the order their gradients become ready
+    forward_s: float
+    other_s: float = 0.0              #: between iterations: optimizer step, zero_grad, data
+    buckets: tuple[tuple[str, ...], ...] = ()  #: layer names per sync job of the traced run; () = one per layer
+    element_size: int = 4
+    gemm_flops: float | None = None   #: the rate of SFB's rebuild GEMM (None: not measured)
+    samples: int | None = None        #: samples per machine and iteration (for samples/s)
+    source: str = ""
+    link: dict | None = field(default=None, compare=False)  #: the traced run's link model, for reference
+
+    def __post_init__(self) -> None:
+        names = [layer.name for layer in self.layers]
+        if not names:
+            raise ValueError("a profile needs at least one layer")
+        if len(set(names)) != len(names):
+            raise ValueError("a profile's layer names must be unique")
+        times = [self.forward_s, self.other_s, *(layer.backward_s for layer in self.layers)]
+        if not all(math.isfinite(t) and t >= 0 for t in times):
+            raise ValueError(f"a profile's times must be finite and >= 0, got {times}")
+        if self.buckets and [name for bucket in self.buckets for name in bucket] != names:
+            raise ValueError("a profile's buckets must list every layer once, in the layers' order")
+
+    @property
+    def compute_s(self) -> float:
+        """One iteration without communication."""
+        return self.forward_s + sum(layer.backward_s for layer in self.layers) + self.other_s
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def groups(self) -> list[list[LayerProfile]]:
+        """The layers as the traced run's sync jobs (one per layer without buckets)."""
+        if not self.buckets:
+            return [[layer] for layer in self.layers]
+        by_name = {layer.name: layer for layer in self.layers}
+        return [[by_name[name] for name in bucket] for bucket in self.buckets]
+
+    def scaled(self, factor: float) -> Profile:
+        """Every compute time times ``factor`` (e.g. the CPU contention of more ranks per machine)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"a compute scale must be > 0, got {factor}")
+        layers = tuple(replace(layer, backward_s=layer.backward_s * factor) for layer in self.layers)
+        return replace(self, layers=layers, forward_s=self.forward_s * factor, other_s=self.other_s * factor)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Profile:
+        try:
+            layers = tuple(LayerProfile(layer["name"], int(layer["nbytes"]), float(layer["backward_s"]),
+                                        FCShape(**layer["fc"]) if layer.get("fc") else None,
+                                        int(layer.get("tensors", 1)))
+                           for layer in data["layers"])
+            return cls(layers, float(data["forward_s"]), float(data.get("other_s", 0.0)),
+                       tuple(tuple(bucket) for bucket in data.get("buckets", ())), int(data.get("element_size", 4)),
+                       data.get("gemm_flops"), data.get("samples"), data.get("source", ""), data.get("link"))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a profile: {exc!r} (fields: layers [name, nbytes, backward_s, fc, tensors], forward_s, "
+                             "other_s, buckets, element_size, gemm_flops, samples)") from None
+
+
+def load(path: PathLike) -> Profile:
+    """A profile from a trace (``traceEvents``) or a profile JSON file (``layers``)."""
+    with open(path, encoding="utf-8") as stream:
+        document = json.load(stream)
+    if isinstance(document, dict) and "traceEvents" in document:
+        return from_trace(path)
+    if isinstance(document, dict) and "layers" in document:
+        return replace(Profile.from_dict(document), source=str(path))
+    raise ValueError(f"{path}: neither a poseidon-torch trace nor a profile (a JSON object with 'layers')")
+
+
+def from_trace(path: PathLike) -> Profile:
+    """The profile of a traced run: medians over its rank-iterations (see the module docstring)."""
+    layouts = [meta["layout"] for meta in load_metadata(path).values() if "layout" in meta]
+    if not layouts:
+        raise ValueError(f"{path}: the trace has no model layout (written by poseidon-torch before the simulator: "
+                         "record it again)")
+    layout = layouts[0]
+    ranks = load_spans(path)
+    backward = _median_by_name(ranks, "backward")
+    if not backward:
+        raise ValueError(f"{path}: the trace has no backward spans (record at least one synced iteration)")
+    layers, buckets = [], []
+    for bucket in layout["buckets"]:
+        seconds = backward.get(bucket["name"], 0.0)
+        total = sum(layer["bytes"] for layer in bucket["layers"]) or 1
+        buckets.append(tuple(layer["name"] for layer in bucket["layers"]))
+        layers += [LayerProfile(layer["name"], layer["bytes"], seconds * layer["bytes"] / total,
+                                FCShape(**layer["fc"]) if layer["fc"] else None, layer["tensors"])
+                   for layer in bucket["layers"]]
+    forward = _median_per_iteration(ranks, "forward")
+    return Profile(tuple(layers), forward, _median_gap(ranks), tuple(buckets), layout["element_size"],
+                   layout["gemm_flops"], None, f"trace {path}", layout["link"])
+
+
+def _median_by_name(ranks: dict[int, list[Span]], kind: str) -> dict[str, float]:
+    """Per span name: the median over rank-iterations of its summed duration, in seconds."""
+    totals: dict[tuple[str, int, int], int] = defaultdict(int)
+    for rank, spans in ranks.items():
+        for span in spans:
+            if span.kind == kind:
+                totals[span.name, rank, span.iteration] += span.duration_ns
+    by_name: dict[str, list[int]] = defaultdict(list)
+    for (name, _, _), ns in totals.items():
+        by_name[name].append(ns)
+    return {name: statistics.median(values) / 1e9 for name, values in by_name.items()}
+
+
+def _median_per_iteration(ranks: dict[int, list[Span]], kind: str) -> float:
+    totals: dict[tuple[int, int], int] = defaultdict(int)
+    for rank, spans in ranks.items():
+        for span in spans:
+            if span.kind == kind:
+                totals[rank, span.iteration] += span.duration_ns
+    return statistics.median(totals.values()) / 1e9 if totals else 0.0
+
+
+def _median_gap(ranks: dict[int, list[Span]]) -> float:
+    """The median time from one iteration span's end to the next one's start on the same rank: the
+    optimizer step, zero_grad and the data of the next step."""
+    gaps = []
+    for spans in ranks.values():
+        iterations = sorted((s for s in spans if s.kind == "iteration"), key=lambda s: s.start_ns)
+        gaps += [max(0, b.start_ns - a.end_ns) for a, b in zip(iterations, iterations[1:])]
+    return statistics.median(gaps) / 1e9 if gaps else 0.0

@@ -1,0 +1,115 @@
+"""The timeline of one iteration on one machine: compute on one lane, sync jobs one at a time on the link.
+
+The model is the same for every scheme; a scheme only says which jobs exist, after which layer's
+backward each becomes ready, and what it costs (:mod:`.schemes`):
+
+- the forward, then each layer's backward in profile order, back to back on the compute lane;
+- a job is ready when the layer it waits for has finished its backward; jobs use the link one at a
+  time in the order they became ready (one NIC: concurrent channels share its bandwidth, so the last
+  job ends when it would in this order);
+- with a slowdown factor s >= 1, compute runs s times slower while the link is busy (communication's
+  interference with compute: memory copies, CPU time of the transport; measured, not derived);
+- BSP: the iteration ends when backward and every job have ended, then ``other_s`` (the optimizer step);
+- pipelined (Pipe-SGD, delay >= 1): the sync of step t runs during step t+1, so in steady state an
+  iteration lasts max(communication, compute), compute stretched by s while the two overlap.
+
+Every machine is alike (no stragglers): under BSP the iteration of one machine is everyone's.
+Invariants: ``iteration_s >= compute_s`` (no scheme is faster than no communication); jobs never
+overlap on the link; a job never starts before it is ready.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .profile import Profile
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    after: int          #: index of the layer whose backward makes it ready
+    seconds: float      #: its time on the link (and SFB's rebuild)
+    nbytes: float       #: bytes this machine sends
+    path: str           #: "PS", "SFB" or "all-reduce"
+
+
+@dataclass(frozen=True)
+class JobSpan:
+    job: Job
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    iteration_s: float
+    compute_s: float                #: the same iteration without communication
+    backward_end_s: float
+    spans: tuple[JobSpan, ...]
+
+    @property
+    def exposed_s(self) -> float:
+        """What communication adds to the iteration (slowed compute included)."""
+        return self.iteration_s - self.compute_s
+
+    @property
+    def nbytes(self) -> float:
+        return sum(span.job.nbytes for span in self.spans)
+
+
+def bsp(profile: Profile, jobs: Sequence[Job], slowdown: float = 1.0) -> Timeline:
+    """One BSP iteration: jobs start when ready and the link is free; it ends when all have ended."""
+    _check(profile, jobs, slowdown)
+    ready = defaultdict(list)
+    for job in jobs:
+        ready[job.after].append(job)
+    now, link_free, spans = profile.forward_s, 0.0, []
+    for index, layer in enumerate(profile.layers):
+        now = advance(now, layer.backward_s, [(s.start_s, s.end_s) for s in spans], slowdown)
+        for job in ready[index]:
+            start = max(now, link_free)
+            link_free = start + job.seconds
+            spans.append(JobSpan(job, start, link_free))
+    end = max(now, link_free) + profile.other_s
+    return Timeline(end, profile.compute_s, now, tuple(spans))
+
+
+def pipelined(profile: Profile, jobs: Sequence[Job], slowdown: float = 1.0) -> Timeline:
+    """Steady state with the sync of step t overlapping step t+1: max(communication, compute), compute
+    slowed by s while communication runs beside it."""
+    _check(profile, jobs, slowdown)
+    work, comm = profile.compute_s, sum(job.seconds for job in jobs)
+    period = comm if comm >= work * slowdown else work + comm * (1.0 - 1.0 / slowdown)
+    spans, start = [], 0.0
+    for job in jobs:  # laid out back to back from the start of the period
+        spans.append(JobSpan(job, start, start + job.seconds))
+        start += job.seconds
+    return Timeline(period, work, work, tuple(spans))
+
+
+def advance(now: float, work: float, busy: Sequence[tuple[float, float]], slowdown: float) -> float:
+    """When ``work`` seconds of compute started at ``now`` end, running ``slowdown`` times slower inside
+    the ``busy`` intervals (sorted, disjoint)."""
+    for start, end in busy:
+        if end <= now:
+            continue
+        if start > now:
+            if work <= start - now:
+                return now + work
+            work -= start - now
+            now = start
+        if work * slowdown <= end - now:
+            return now + work * slowdown
+        work -= (end - now) / slowdown
+        now = end
+    return now + work
+
+
+def _check(profile: Profile, jobs: Sequence[Job], slowdown: float) -> None:
+    if not slowdown >= 1.0:
+        raise ValueError(f"a slowdown factor is >= 1 (1: communication does not slow compute), got {slowdown}")
+    for job in jobs:
+        if not 0 <= job.after < len(profile.layers):
+            raise ValueError(f"job {job.name!r} waits for layer {job.after}, the profile has {len(profile.layers)}")

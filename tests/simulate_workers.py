@@ -1,0 +1,30 @@
+"""Rank functions for the simulator's tests: a traced run whose byte counters the simulator must match."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models import ModelSpec, batch, build
+from poseidon_torch import PoseidonDDP
+from workers import shard, slow_link
+
+STEPS, SKIP = 6, 3
+
+
+def traced_bytes(rank: int, world_size: int, trace_dir: str, hybrid: bool) -> dict:
+    """An MLP of four FC layers, each in a bucket of its own, traced over its last iterations on a link
+    where SFB wins for the hidden layers (not the small head): the last iteration's bytes (PS and SFB)
+    and each bucket's path."""
+    torch.manual_seed(0)
+    spec = ModelSpec(widths=(48, 40, 24), batchnorm=False)
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, trace_dir=trace_dir, trace_skip=SKIP, trace_iters=STEPS - SKIP,
+                          link=slow_link(), hybrid=hybrid, fusion_bytes=0)
+    for step in range(STEPS):
+        x, y = batch(spec, step, 3, world_size)
+        F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
+    stats = wrapped.comm_stats
+    result = {"bytes": stats.bytes_by_path["PS"] + stats.bytes_by_path["SFB"],
+              "outcomes": dict(stats.outcome_by_bucket)}
+    wrapped.close()  # waits for the trace files
+    return result

@@ -1,0 +1,173 @@
+"""The scaling simulator: hand-computed timelines, the traced run's bytes and plan, the CLI, the paper."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import simulate_workers
+from poseidon_torch.link import LinkModel
+from poseidon_torch.simulate import FCShape, LayerProfile, Profile, from_trace, predict
+from poseidon_torch.simulate.paper import vgg19_22k
+from poseidon_torch.simulate.schemes import SCHEMES
+from poseidon_torch.simulate.timeline import advance
+
+#: alpha 10 ms per message, 1e-7 s per byte (80 Mbit/s)
+LINK = LinkModel(0.01, 1e-7)
+
+
+def two_layers(**extra) -> Profile:
+    """Forward 1 s; the top layer (ready first) 2 s of backward and 7,999,992 parameter bytes in one
+    tensor, the bottom layer 3 s and 3,999,992 bytes; 0.5 s between iterations. With the PS path's
+    flags (one per tensor and one per bucket, 4 bytes each) the buckets move 8e6 and 4e6 bytes."""
+    layers = (LayerProfile("top", 7_999_992, 2.0), LayerProfile("bottom", 3_999_992, 3.0))
+    return Profile(layers, 1.0, 0.5, **extra)
+
+
+def iteration(scheme: str, profile: Profile, hosts: int = 2, slowdown: float = 1.0) -> float:
+    return SCHEMES[scheme].run(profile, hosts, LINK, slowdown).iteration_s
+
+
+def test_wfbp_overlaps_the_top_layer_with_the_bottom_layers_backward():
+    # P = 2: a PS sync sends the bucket once, 2 messages: top 0.02 + 0.8 s from t = 3 (ends 3.82, hidden
+    # by the bottom's backward until 6); bottom 0.02 + 0.4 s from 6; + 0.5 s
+    assert iteration("wfbp", two_layers()) == pytest.approx(6.92)
+
+
+def test_plain_ps_syncs_after_backward():
+    assert iteration("ps", two_layers()) == pytest.approx(6.0 + 0.82 + 0.42 + 0.5)
+
+
+def test_traced_buckets_make_one_job():
+    fused = two_layers(buckets=(("top", "bottom"),))
+    # one bucket of 7,999,992 + 3,999,992 + 4 * (2 + 1) bytes after the bottom layer: 0.02 + 1.2 s
+    assert iteration("wfbp", fused) == pytest.approx(6.0 + 1.22 + 0.5)
+
+
+def test_one_machine_has_no_communication():
+    for scheme in SCHEMES:
+        assert iteration(scheme, two_layers(), hosts=1) == pytest.approx(6.5)
+
+
+def test_ddp_buckets_close_at_one_mebibyte_then_25():
+    layers = (LayerProfile("a", 600_000, 1.0), LayerProfile("b", 600_000, 1.0), LayerProfile("c", 1_000_000, 1.0),
+              LayerProfile("d", 1_000_000, 1.0))
+    jobs = SCHEMES["ddp"].jobs(Profile(layers, 0.0), 4, LINK)
+    # a + b = 1.2 MB >= 1 MiB closes the first bucket; c + d stay under 25 MiB until the last layer
+    assert [(job.name, job.after) for job in jobs] == [("a+b", 1), ("c+d", 3)]
+    # ring all-reduce at P = 4: 6 steps, 2 * 3 / 4 of the bucket
+    assert jobs[0].nbytes == 1_800_000
+    assert jobs[0].seconds == pytest.approx(0.06 + 0.18)
+
+
+def test_slowdown_stretches_compute_while_the_link_is_busy():
+    # the top layer's job is busy from 3 to 3.82; the bottom layer's 3 s of backward progress 0.41 s there
+    # at half speed, then 2.59 s: ends 6.41; its own job 0.42 s; + 0.5
+    assert iteration("wfbp", two_layers(), slowdown=2.0) == pytest.approx(7.33)
+    # 0.5 s free, 0.125 s of work in the busy half second at quarter speed, the last 0.375 s free again
+    assert advance(0.0, 1.0, [(0.5, 1.0), (2.0, 3.0)], 4.0) == pytest.approx(1.375)
+    assert advance(0.0, 1.0, [(0.0, 1.0)], 4.0) == pytest.approx(1.75)
+
+
+def test_pipelined_iteration_is_the_larger_of_compute_and_communication():
+    # 6.5 s of compute against 1.24 s of communication; at slowdown 2 the overlapped 1.24 s cost half more
+    assert iteration("wfbp+delay", two_layers()) == pytest.approx(6.5)
+    assert iteration("wfbp+delay", two_layers(), slowdown=2.0) == pytest.approx(6.5 + 0.62)
+    slow = LinkModel(0.01, 1e-6)
+    assert SCHEMES["wfbp+delay"].run(two_layers(), 2, slow).iteration_s == pytest.approx(8.02 + 4.02)
+
+
+def test_poseidon_takes_sfb_where_it_is_cheaper_and_grows_with_the_machines():
+    # an FC layer 1000 x 2000 with K = 4 rows per machine: SFB sends (P - 1) blocks of
+    # 24 + 4 * 3000 * 4 = 48,024 bytes; PS sends 2 (P - 1) / P of 8,004,000 bytes (+ flags)
+    fc = LayerProfile("fc", 8_004_000, 1.0, FCShape(1000, 2000, 4), tensors=2)
+    profile = Profile((fc, LayerProfile("conv", 400_000, 1.0)), 0.5, gemm_flops=1e12)
+    rows = {row.hosts: row for row in predict(profile, ["poseidon"], [2, 16], LINK)}
+    assert rows[2].sfb_layers == ("fc",)
+    ps_conv = 400_000 + 4 * 2
+    assert rows[2].bytes_per_machine == pytest.approx(48_024 + ps_conv)
+    assert rows[16].bytes_per_machine == pytest.approx(15 * 48_024 + 2 * 15 / 16 * ps_conv)
+    # at 512 machines 511 blocks (24.5 MB) cost more than the PS sync (16 MB) where bytes dominate
+    (row,) = predict(profile, ["poseidon"], [512], LinkModel(1e-6, 1e-7))
+    assert row.sfb_layers == ()
+
+
+def test_every_prediction_is_at_least_the_compute():
+    profile = vgg19_22k()
+    for row in predict(profile, list(SCHEMES), [1, 2, 8, 64], LinkModel.from_gbps(1.0, 50)):
+        assert row.iteration_s >= profile.compute_s - 1e-12
+        assert row.speedup <= row.hosts + 1e-9
+
+
+def test_vgg19_22k_profile_has_the_papers_size_and_iteration():
+    profile = vgg19_22k()
+    assert profile.nbytes / 4 == pytest.approx(229e6, rel=0.01)
+    assert profile.compute_s == pytest.approx(0.925)
+    assert [layer.name for layer in profile.layers[:3]] == ["fc8", "fc7", "fc6"]
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "ps"])
+def test_bytes_and_plan_match_the_engines_counters(cluster, tmp_path, hybrid):
+    """The simulator fed the traced run's own trace, at its machines and link, sends what the engine
+    counted (mean over ranks) and chooses SFB for the same layers."""
+    results = cluster.run(simulate_workers.traced_bytes, str(tmp_path), hybrid)
+    profile = from_trace(tmp_path / "trace_merged.json")
+    link = LinkModel(**profile.link)
+    scheme = "poseidon" if hybrid else "wfbp"
+    (row,) = predict(profile, [scheme], [cluster.world_size], link)
+    assert row.bytes_per_machine == pytest.approx(sum(r["bytes"] for r in results) / cluster.world_size, rel=1e-12)
+    engine_sfb = {name for name, outcome in results[0]["outcomes"].items() if outcome == "SFB"}
+    assert set(row.sfb_layers) == engine_sfb
+    assert engine_sfb == ({"body.0", "body.2", "body.4"} if hybrid else set())
+    assert profile.forward_s > 0 and all(layer.backward_s > 0 for layer in profile.layers)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "poseidon_torch.simulate", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_json_rows_and_plot(tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(two_layers().to_dict()))
+    plot = tmp_path / "speedup.png"
+    done = run_cli(str(profile), "--hosts", "1,2,4", "--bandwidth", "80mbit", "--latency-us", "10000", "--json",
+                   "--plot", str(plot))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert {(row["scheme"], row["hosts"]) for row in rows} == {(s, n) for s in SCHEMES for n in (1, 2, 4)}
+    wfbp2 = next(row for row in rows if row["scheme"] == "wfbp" and row["hosts"] == 2)
+    assert wfbp2["iteration_s"] == pytest.approx(6.92)
+    assert wfbp2["speedup"] == pytest.approx(2 * 6.5 / 6.92)
+    assert plot.stat().st_size > 10_000
+
+
+def test_cli_prints_the_papers_figures_beside_vgg19_22k():
+    done = run_cli("vgg19-22k", "--hosts", "2,32", "--bandwidth", "40gbit", "--json")
+    assert done.returncode == 0, done.stderr
+    paper = {(row["scheme"], row["hosts"]): row.get("paper_speedup") for row in json.loads(done.stdout)}
+    assert paper["poseidon", 32] == 29.5 and paper["ps", 2] == 1.01 and paper["ddp", 2] is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.json", "--bandwidth", "1gbit"], "No such file"),
+    (["vgg19-22k", "--bandwidth", "fast"], "bad rate"),
+    (["vgg19-22k", "--bandwidth", "1gbit", "--hosts", "0,2"], "must be >= 1"),
+    (["vgg19-22k", "--bandwidth", "1gbit", "--schemes", "ring"], "unknown scheme"),
+    (["vgg19-22k", "--bandwidth", "1gbit", "--slowdown", "0.5"], "slowdown factor"),
+])
+def test_cli_bad_input_is_a_clear_error(args, message):
+    done = run_cli(*args)
+    assert done.returncode == 2
+    assert "poseidon-simulate: error:" in done.stderr and message in done.stderr, done.stderr
+
+
+def test_a_trace_without_layout_is_refused(tmp_path):
+    from poseidon_torch.trace.files import write_rank_trace
+
+    path = tmp_path / "old.json"
+    write_rank_trace(path, [], 0, 1, {"skip": 0, "iters": 1, "recorded": 1})
+    with pytest.raises(ValueError, match="no model layout"):
+        from_trace(path)
