@@ -1,7 +1,7 @@
 """Train a small VGG-like CNN with PoseidonDDP (and, with --compare-ddp, torch DDP in the same run).
 
     torchrun --nproc_per_node 2 examples/train.py [--steps 30] [--batch 32] [--compare-ddp] [--server]
-        [--delay K] [--staleness S|none]
+        [--delay K] [--staleness S|none [--push-every N] [--fetch-every M]]
 
 With --server both runs use AdamW, and PoseidonDDP's is a ServerOptimizer: the KV-store shards hold
 the optimizer state (1/P of it each) and apply the update; the example prints the state per rank.
@@ -10,7 +10,8 @@ With --delay K PoseidonDDP runs Pipe-SGD: each step applies the averaged gradien
 sync runs on during the next K steps; the first K steps apply nothing.
 With --server --staleness S the servers run stale synchronous parallel (no rank more than S steps ahead
 of the slowest; ``none``: asynchronous), AdamW at lr / P (each push is one step of it), and every rank
-calls ``opt.finish()`` at the end.
+calls ``opt.finish()`` at the end; asynchronous runs may push summed gradients every N steps and take
+new values every M steps (Downpour's n_push, n_fetch).
 
 The data are synthetic but learnable: each class is a fixed random 32x32 image plus noise, so the loss
 falls within a few dozen steps. Prints loss and samples/s; rank 0 prints the summary.
@@ -88,7 +89,8 @@ def make_optimizer(wrapper: str, wrapped: nn.Module, args: argparse.Namespace) -
         return torch.optim.SGD(wrapped.parameters(), lr=0.02, momentum=0.9)
     if wrapper == "poseidon" and args.staleness != 0:
         lr = 1e-3 / dist.get_world_size()  # one AdamW step per push: P of them per clock
-        return ServerOptimizer(wrapped, torch.optim.AdamW, lr=lr, weight_decay=0.01, staleness=args.staleness)
+        return ServerOptimizer(wrapped, torch.optim.AdamW, lr=lr, weight_decay=0.01, staleness=args.staleness,
+                               push_every=args.push_every, fetch_every=args.fetch_every)
     if wrapper == "poseidon":
         return ServerOptimizer(wrapped, torch.optim.AdamW, lr=1e-3, weight_decay=0.01, delay=args.delay)
     return torch.optim.AdamW(wrapped.parameters(), lr=1e-3, weight_decay=0.01)
@@ -115,6 +117,10 @@ def main() -> None:
     parser.add_argument("--delay", type=int, default=0, help="Pipe-SGD: apply the gradients of K steps earlier")
     parser.add_argument("--staleness", type=staleness, default=0,
                         help="with --server: SSP's bound in steps, or 'none' (asynchronous); 0: BSP")
+    parser.add_argument("--push-every", type=int, default=1,
+                        help="with --staleness none: push the summed gradients every N steps (Downpour)")
+    parser.add_argument("--fetch-every", type=int, default=1,
+                        help="with --staleness none: take new values every N steps (Downpour)")
     args = parser.parse_args()
     if args.staleness != 0 and not args.server:
         parser.error("--staleness needs --server (SSP runs on the parameter servers)")

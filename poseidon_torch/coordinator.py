@@ -69,6 +69,9 @@ class Coordinator:
         self.world_size, self.link, self.gemm_flops = world_size, link, gemm_flops
         self.overrides = dict(overrides or {})
         self.k_max = {name: 0 for name in self.fc}
+        #: per FC layer, its largest K in the last pass it was watched (alone in its bucket): what the
+        #: trace's layout tells the simulator of layers later fused with others
+        self.k_known: dict[str, int] = {}
         self.sticky = {name: 0 for name in self.fc}
         self.sfb: set[str] = set()   #: layers on SFB for the next pass
         self.solo: set[str] = set()  #: FC layers that have a bucket of their own
@@ -143,6 +146,8 @@ class Coordinator:
         per_layer = columns[1 + 2 * num_buckets:]
         for i, name in enumerate(self.fc):
             self.k_max[name] = max(per_layer[2 * i])
+            if self.k_max[name]:
+                self.k_known[name] = self.k_max[name]
             for flags in per_layer[2 * i + 1]:
                 self.sticky[name] |= flags
         if not aborted_ranks:

@@ -204,12 +204,12 @@ class Engine:
     def layout(self) -> dict:
         """What a simulator needs of this model (:mod:`poseidon_torch.simulate`): the buckets in sync
         order, each layer's parameter bytes and, for an FC layer, its shape and the largest rows per rank
-        of the last pass (only for a layer alone in its bucket: the others are not watched, their K is
-        unknown); the link and GEMM rate the coordinator costs with."""
+        of the last pass it was watched in (alone in a bucket; a layer never watched has no shape: its K
+        is unknown); the link and GEMM rate the coordinator costs with."""
         def describe(layer: Layer) -> dict:
             fc = self.fc.get(layer.name)
-            watched = fc is not None and fc.watching
-            shape = {"m": fc.m, "n": fc.n, "k": self.coordinator.k_max[fc.name]} if watched else None
+            k = self.coordinator.k_known.get(layer.name)
+            shape = {"m": fc.m, "n": fc.n, "k": k} if fc is not None and k else None
             return {"name": layer.name, "bytes": layer.nbytes, "tensors": len(layer.params), "fc": shape}
         return {"element_size": self.params[0].element_size() if self.params else 4,
                 "gemm_flops": self.coordinator.gemm_flops,

@@ -57,6 +57,16 @@ def _staleness(value: Any, delay: int, max_grad_norm: float | None, lazy_pull: b
     return value
 
 
+def _every(name: str, value: Any, staleness: int | None) -> int:
+    """``push_every`` / ``fetch_every`` checked: an int >= 1, other than 1 only when asynchronous."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise TypeError(f"ServerOptimizer option {name} must be an int >= 1 (passes), got {value!r}")
+    if value != 1 and staleness is not None:
+        raise ValueError(f"ServerOptimizer({name}={value}) is Downpour's, for staleness=None (asynchronous); with "
+                         f"staleness={staleness} every pass pushes and fetches, and the bound decides what is read")
+    return value
+
+
 def _max_norm(value: Any) -> float | None:
     """``max_grad_norm`` checked: None, or a finite number > 0."""
     if value is None:
@@ -85,7 +95,9 @@ class ServerOptimizer(torch.optim.Optimizer):
     ``step()`` returns at once. With ``staleness=s`` (stale synchronous parallel) or ``staleness=None``
     (asynchronous, Downpour) each rank runs on its own clock: the owners apply every push when it
     arrives (gradient / P) and a forward reads values that lack at most s clocks of any rank
-    (``stale.py``); every rank calls :meth:`finish` at the end.
+    (``stale.py``); every rank calls :meth:`finish` at the end. Asynchronous only: ``push_every=n``
+    sums a rank's gradients over n passes and pushes the sum once (one step at the owners),
+    ``fetch_every=m`` takes new values every m passes (Downpour's n_push, n_fetch).
 
     Gradient clipping by the global norm is an option here, ``max_grad_norm=1.0``: the owners scale
     the averaged gradients as ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` would before
@@ -100,7 +112,7 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: Any, optimizer_class: type, params: Iterable | None = None, *,
                  lazy_pull: bool = False, max_grad_norm: float | None = None, delay: int = 0,
-                 staleness: int | None = 0, **defaults: Any) -> None:
+                 staleness: int | None = 0, push_every: int = 1, fetch_every: int = 1, **defaults: Any) -> None:
         if not isinstance(model, PoseidonDDP):
             raise TypeError(f"ServerOptimizer needs the PoseidonDDP that trains the model, got {type(model).__name__}")
         self.aligned = chunks_must_align(optimizer_class)
@@ -113,6 +125,10 @@ class ServerOptimizer(torch.optim.Optimizer):
         self._max_grad_norm = _max_norm(max_grad_norm)
         #: SSP's bound in clocks (0: BSP; None: asynchronous, no bound): ``stale.py``
         self.staleness = _staleness(staleness, delay, self._max_grad_norm, self.lazy_pull)
+        #: asynchronous mode: push the summed gradients every ``push_every`` passes, take new values every
+        #: ``fetch_every`` passes (Downpour's n_push, n_fetch)
+        self.push_every = _every("push_every", push_every, self.staleness)
+        self.fetch_every = _every("fetch_every", fetch_every, self.staleness)
         self.model = model
         # the class's own defaults, completed as it completes them, so param_groups read as torch's
         defaults = optimizer_class([torch.zeros(1)], **defaults).defaults
@@ -177,12 +193,13 @@ class ServerOptimizer(torch.optim.Optimizer):
         groups = [(repr(sorted(hyperparameters(g).items())), [self.key_of[id(p)] for p in g["params"]])
                   for g in self.param_groups]
         name = f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}"
-        return name, self.lazy_pull, self.max_grad_norm, self.delay, self.staleness, groups
+        return (name, self.lazy_pull, self.max_grad_norm, self.delay, self.staleness, self.push_every, self.fetch_every,
+                groups)
 
     def consistency_policy(self) -> BSP | None:
         """The consistency policy this optimizer asks of the engine (None: the engine's own, BSP)."""
         if self.staleness != 0:
-            return Stale(self.staleness)
+            return Stale(self.staleness, self.push_every, self.fetch_every)
         return DelayedValues(self.delay) if self.delay else None
 
     @property

@@ -14,6 +14,10 @@ passes since the last ``finish()``).
 - It answers with the chunk's values once they hold every rank's pushes of clocks <= c - s (what the
   rank's forward at clock c+1 may read under SSP: it is then at most s clocks ahead of the slowest); a
   rank that called ``finish()`` no longer holds anyone back. ``staleness=None`` answers at once.
+- Asynchronous mode only, Downpour's n_push and n_fetch (``push_every``, ``fetch_every``): a rank sums
+  its gradients over ``push_every`` passes and pushes the sum once (the passes in between send
+  nothing), and takes new values every ``fetch_every`` passes (between fetches its forwards read the
+  values of the last one); ``finish()`` pushes what is still summed, so nothing is lost.
 Invariants: the pushes of one rank to one chunk are applied in clock order, each exactly once (a chunk's
 counter per rank checks it); a pass aborted on a rank still pushes its remaining buckets, empty, so
 every chunk sees every clock; between ``finish()`` calls the owners' pieces hold the authoritative
@@ -47,7 +51,7 @@ if TYPE_CHECKING:
     from .optimizer import ServerOptimizer
 
 HEADER, PAYLOAD, REPLY = 1, 2, 1000  #: message tags (a reply's tag adds the chunk's id)
-PUSH, DONE, STOP = 0, 1, 2           #: what a header announces
+PUSH, DONE, STOP, FETCH = 0, 1, 2, 3  #: what a header [kind, chunk id, push number, clock, answer?] announces
 #: the requests' backends never time out: their receives wait for whichever rank pushes next, however
 #: long its compute takes (a gloo receive that times out closes the connection); the waits that can
 #: fail (replies, the SSP bound) use the engine's timeout
@@ -62,8 +66,8 @@ class Stale(BSP):
 
     lockstep = False
 
-    def __init__(self, staleness: int | None) -> None:
-        self.staleness = staleness
+    def __init__(self, staleness: int | None, push_every: int = 1, fetch_every: int = 1) -> None:
+        self.staleness, self.push_every, self.fetch_every = staleness, push_every, fetch_every
         self.server: StaleServer | None = None
 
     def server_for(self, facade: ServerOptimizer, ps: PSPath, sfb: Any, control: Collectives,
@@ -72,9 +76,14 @@ class Stale(BSP):
         if devices:
             raise NotImplementedError(f"ServerOptimizer(staleness={self.staleness}) runs on CPU parameters only for "
                                       f"now (the model has {devices} ones): its server threads exchange host tensors")
-        self.server = StaleServer(facade, control, self.staleness, timeout)
+        self.server = StaleServer(facade, control, self.staleness, timeout, self.push_every, self.fetch_every)
         path = StalePath(ps, self.server)
         return self.server, path, path
+
+    def take_values(self, bucket: Bucket) -> None:
+        """The answered values into the parameters, in a pass that fetched them (``fetch_every``)."""
+        if self.server is None or self.server.fetching:
+            super().take_values(bucket)
 
     def forget_values(self) -> None:
         if self.server is not None:
@@ -123,14 +132,18 @@ class StaleServer:
     :meth:`exchange` (a bucket's job), :meth:`finish` (the end of a stretch of training, collective)."""
 
     def __init__(self, facade: ServerOptimizer, control: Collectives, staleness: int | None,
-                 timeout: float) -> None:
+                 timeout: float, push_every: int = 1, fetch_every: int = 1) -> None:
         self.facade, self.control, self.bound, self.timeout = facade, control, staleness, timeout
+        self.push_every, self.fetch_every = push_every, fetch_every
         self.rank, self.size = control.rank, control.size
         prefix = control.broadcast_object(f"poseidon/{uuid.uuid4().hex}/stale/", 0)
         #: ``up`` carries messages from a lower to a higher rank, ``down`` the way back
         self.up = make_backend(prefix, "up", self.rank, self.size, "gloo", _FOREVER)
         self.down = make_backend(prefix, "down", self.rank, self.size, "gloo", _FOREVER)
         self.clock = -1  #: this rank's clock: the pass now open (-1: none since the last finish)
+        self.pushes = -1  #: this rank's pushes since the last finish, less one (each chunk counts them)
+        self.pushing = self.fetching = True  #: the open pass pushes / takes new values
+        self._summed: dict[int, Tensor] = {}  #: id(bucket) -> gradients summed since its last push
         self.parameters_loaded = False  #: the parameters were loaded: the owners take them at finish()
         self.failure: SyncError | None = None
         self.shards: dict[int, BucketShard] = {}
@@ -158,6 +171,8 @@ class StaleServer:
         """Chunk ids over ``buckets`` (the same on every rank) and a shard per chunk this rank owns,
         its pieces starting from the parameters (collective, between passes, no push in flight)."""
         key_of = self.facade.key_of
+        if self._summed:
+            raise RuntimeError("the buckets changed while summed gradients wait for their push (push_every)")
         cid = 0
         self._cids, self._owned, self.shards, self._buckets = {}, {}, {}, list(buckets)
         for bucket in buckets:
@@ -181,7 +196,11 @@ class StaleServer:
 
     def begin_pass(self) -> None:
         self.clock += 1
-        self._log = _PassLog()
+        self.pushing = (self.clock + 1) % self.push_every == 0
+        self.fetching = (self.clock + 1) % self.fetch_every == 0
+        self.pushes += self.pushing
+        # without a fetch the next forward reads the same values as this one: one clock staler
+        self._log = _PassLog() if self.fetching else _PassLog(self._log.staleness + 1)
         self.facade.forget_consolidated()  # this pass's pushes change the state
 
     def pushed(self) -> None:
@@ -220,7 +239,7 @@ class StaleServer:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the server threads: each listens to the ranks on one side, and the neighbour on that
         side stops it (so every thread gets one STOP); waits at most ``timeout`` for both."""
-        header = torch.tensor([STOP, 0, 0], dtype=torch.int64)
+        header = torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64)
         for peer in (self.rank - 1, self.rank + 1):
             if 0 <= peer < self.size:
                 with contextlib.suppress(RuntimeError):
@@ -231,39 +250,82 @@ class StaleServer:
     # ---- a bucket's job ------------------------------------------------------------------------------
 
     def exchange(self, bucket: Bucket) -> int:
-        """Push this rank's staged gradients of ``bucket`` (flat buffer) at its clock and put the values
-        the owners answer into the flat buffer; returns the bytes sent (channel thread)."""
-        clock, flags = self.clock, bucket.flat[bucket.grad_numel:]
-        remote = []
+        """Push this rank's staged gradients of ``bucket`` (flat buffer; summed first with ``push_every``)
+        at its clock and put the values the owners answer into the flat buffer (in a pass that fetches);
+        returns the bytes sent (channel thread)."""
+        outgoing = self._outgoing(bucket)
+        # the answers' receives are posted before any push: an owner's answer must not wait on this rank
+        # (its server thread would stall while this rank still pushes to it)
+        answers = self._post_answers(bucket) if self.fetching else []
+        sent = 0
+        if outgoing is not None:
+            sent = self._push_bucket(bucket, outgoing, answer=self.fetching)
+        elif self.fetching:
+            for cid, chunk, _, _ in answers:
+                self._send(chunk.owner, self._header(FETCH, cid, True))
+        if self.fetching:
+            self._take_answers(bucket, answers)
+        bucket.used_anywhere.fill_(1)
+        return sent
+
+    def _outgoing(self, bucket: Bucket) -> Tensor | None:
+        """The buffer this pass pushes for ``bucket``: its own (``push_every`` = 1), the sum of the passes
+        since the last push when this pass pushes, None when it does not (the sum grows)."""
+        if self.push_every == 1:
+            return bucket.flat
+        summed = self._summed.get(id(bucket))
+        if summed is None:  # nothing summed yet: an empty push unless a pass adds to it
+            summed = self._summed[id(bucket)] = empty_push(bucket)
+        if not bucket.flat[-1] > 0:  # the pass was not aborted on this rank
+            summed[:bucket.grad_numel] += bucket.flat[:bucket.grad_numel]
+            torch.maximum(summed[bucket.grad_numel:-1], bucket.flat[bucket.grad_numel:-1],
+                          out=summed[bucket.grad_numel:-1])
+            summed[-1] = 0
+        return self._summed.pop(id(bucket)) if self.pushing else None
+
+    def _push_bucket(self, bucket: Bucket, flat: Tensor, answer: bool) -> int:
+        """Push every chunk of ``flat`` (``bucket``'s layout) as push number ``self.pushes``; the remote
+        owners answer it when ``answer``; returns the bytes sent."""
+        flags, sent = flat[bucket.grad_numel:], 0
+        for cid, chunk in self._cids[id(bucket)]:
+            payload = torch.cat([flat[chunk.start:chunk.stop], flags])
+            if chunk.owner == self.rank:
+                self._send_replies(self._apply(cid, self.rank, self.pushes, self.clock, payload, answer=False))
+            else:
+                self._send(chunk.owner, self._header(PUSH, cid, answer), payload)
+                sent += payload_bytes(bucket, chunk)
+        return sent
+
+    def _header(self, kind: int, cid: int, answer: bool) -> Tensor:
+        return torch.tensor([kind, cid, self.pushes, self.clock, int(answer)], dtype=torch.int64)
+
+    def _post_answers(self, bucket: Bucket) -> list[tuple[int, Chunk, Tensor, Any]]:
+        """A receive for the answer of every remote chunk of ``bucket``: (chunk id, chunk, buffer, work)."""
+        posted = []
         for cid, chunk in self._cids[id(bucket)]:
             if chunk.owner != self.rank:
                 reply = torch.empty(chunk.stop - chunk.start + 1, dtype=reply_dtype(bucket.flat.dtype))
-                work = self._backend_to(self.rank, chunk.owner).recv([reply], chunk.owner, REPLY + cid)
-                payload = torch.cat([bucket.flat[chunk.start:chunk.stop], flags])
-                self._push(chunk.owner, cid, clock, payload)
-                remote.append((cid, chunk, reply, work))
-        sent = sum(payload_bytes(bucket, chunk) for _, chunk, _, _ in remote)
+                posted.append((cid, chunk, reply,
+                               self._backend_to(self.rank, chunk.owner).recv([reply], chunk.owner, REPLY + cid)))
+        return posted
+
+    def _take_answers(self, bucket: Bucket, answers: list[tuple[int, Chunk, Tensor, Any]]) -> None:
+        """The owners' values of every chunk of ``bucket`` into its flat buffer: this rank's own chunks
+        once the bound allows, the remote ones as ``answers`` arrive."""
         for cid, chunk in self._cids[id(bucket)]:
             if chunk.owner == self.rank:
-                payload = torch.cat([bucket.flat[chunk.start:chunk.stop], flags])
-                self._send_replies(self._apply(cid, self.rank, clock, payload))
-                self._take(bucket, chunk, self._wait_own(cid, clock))
-        for cid, chunk, reply, work in remote:
+                self._take(bucket, chunk, self._wait_own(cid, self.clock))
+        for cid, chunk, reply, work in answers:
             try:
                 work.wait(timedelta(seconds=self.timeout))
             except RuntimeError as exc:
-                raise SyncError(self._stall(chunk.owner, clock, exc)) from None
+                raise SyncError(self._stall(chunk.owner, self.clock, exc)) from None
             self._take(bucket, chunk, reply)
-        bucket.used_anywhere.fill_(1)
-        return sent
 
     def _take(self, bucket: Bucket, chunk: Chunk, values: Tensor) -> None:
         bucket.flat[chunk.start:chunk.stop].copy_(values[:-1])
         with self._cond:
             self._log.staleness = max(self._log.staleness, int(values[-1]))
-
-    def _push(self, owner: int, cid: int, clock: int, payload: Tensor) -> None:
-        self._send(owner, torch.tensor([PUSH, cid, clock], dtype=torch.int64), payload)
 
     def _send(self, peer: int, header: Tensor, payload: Tensor | None = None) -> None:
         """A header (and its payload: they stay together on the connection) to ``peer``'s server."""
@@ -306,14 +368,14 @@ class StaleServer:
     # ---- the owner's side --------------------------------------------------------------------------
 
     def _serve(self, backend: Backend) -> None:
-        """Receive from any source: pushes (applied at once), DONE notices, STOP."""
-        header = torch.empty(3, dtype=torch.int64)
+        """Receive from any source: pushes (applied at once), fetches, DONE notices, STOP."""
+        header = torch.empty(5, dtype=torch.int64)
         try:
             while True:
                 work = backend.recv_anysource([header], HEADER)
                 work.wait()
                 source = work._source_rank()
-                kind, cid, clock = header.tolist()
+                kind, cid, number, clock, answer = header.tolist()
                 if kind == STOP:
                     return
                 if kind == DONE:
@@ -324,21 +386,25 @@ class StaleServer:
                         self._cond.notify_all()
                     self._send_replies(replies)
                     continue
+                if kind == FETCH:
+                    self._send_replies(self._answer_later(cid, source, clock))
+                    continue
                 owned = self._owned[cid]
                 payload = torch.empty(owned.payload_numel, dtype=owned.bucket.flat.dtype)
                 backend.recv([payload], source, PAYLOAD).wait()
-                self._send_replies(self._apply(cid, source, clock, payload))
+                self._send_replies(self._apply(cid, source, number, clock, payload, bool(answer)))
         except Exception as exc:  # noqa: BLE001 - any failure ends the mode with a clear error
             with self._cond:
                 self.failure = SyncError(f"the parameter-server thread of rank {self.rank} failed: {exc!r}")
                 self._cond.notify_all()
 
-    def _apply(self, cid: int, source: int, clock: int, payload: Tensor) -> list[_Reply]:
-        """Apply ``source``'s push of chunk ``cid`` at ``clock``; the answers now due."""
+    def _apply(self, cid: int, source: int, number: int, clock: int, payload: Tensor, answer: bool) -> list[_Reply]:
+        """Apply ``source``'s push number ``number`` of chunk ``cid``, sent at ``clock`` (answered when
+        ``answer``); the answers now due."""
         owned = self._owned[cid]
         with self._cond:
-            if owned.applied[source] != clock:
-                raise SyncError(f"rank {source} pushed clock {clock} of chunk {cid}, rank {self.rank} expected clock "
+            if owned.applied[source] != number:
+                raise SyncError(f"rank {source} sent push {number} of chunk {cid}, rank {self.rank} expected push "
                                 f"{owned.applied[source]} (a push lost or repeated)")
             flags = payload[owned.chunk.stop - owned.chunk.start:]
             if not flags[-1] > 0:  # not aborted
@@ -346,10 +412,18 @@ class StaleServer:
             owned.applied[source] += 1
             self._done[source] = False
             self._heard[source] = time.monotonic()
-            self._waiting.append((source, cid, clock))
+            if answer:
+                self._waiting.append((source, cid, clock))
             replies = self._due()
             self._cond.notify_all()
         return replies
+
+    def _answer_later(self, cid: int, source: int, clock: int) -> list[_Reply]:
+        """``source`` asks for chunk ``cid``'s values at ``clock`` without a push (``fetch_every``)."""
+        with self._cond:
+            self._heard[source] = time.monotonic()
+            self._waiting.append((source, cid, clock))
+            return self._due()
 
     def _step(self, owned: _Owned, payload: Tensor, flags: Tensor) -> None:
         shard, start = owned.shard, owned.chunk.start
@@ -373,7 +447,7 @@ class StaleServer:
         for piece in owned.shard.pieces:
             offset = piece.flat_start - owned.chunk.start
             out[offset:offset + piece.hi - piece.lo].copy_(piece.tensor.reshape(-1))
-        lagging = [count for count, done in zip(owned.applied, self._done) if not done]
+        lagging = [count * self.push_every for count, done in zip(owned.applied, self._done) if not done]
         out[-1] = clock + 1 - min(lagging, default=clock + 1)
         return out
 
@@ -410,9 +484,10 @@ class StaleServer:
         """Collective, after this rank's last pass settled: tell every owner this rank is done (it no
         longer holds the bound back), wait for every rank, make the parameters the owners' values (or,
         after a load, the owners' values the parameters) and start the clocks again."""
+        self._push_summed()
         for peer in range(self.size):
             if peer != self.rank:
-                self._send(peer, torch.tensor([DONE, 0, 0], dtype=torch.int64))
+                self._send(peer, self._header(DONE, 0, False))
         with self._cond:
             self._done[self.rank] = True
             replies = self._due()
@@ -430,8 +505,18 @@ class StaleServer:
             self._done = [False] * self.size
             self._heard = [time.monotonic()] * self.size
             self._waiting = []
-        self.clock = -1
+        self.clock = self.pushes = -1
         self.control.barrier()  # nobody pushes before every owner started its clocks again
+
+    def _push_summed(self) -> None:
+        """The gradients still summed since the last push (``push_every``) go as one more push of every
+        bucket, unanswered (empty for a bucket that summed nothing, so every chunk counts it)."""
+        if not self._summed:
+            return
+        self.pushes += 1
+        for bucket in self._buckets:
+            summed = self._summed.pop(id(bucket), None)
+            self._push_bucket(bucket, empty_push(bucket) if summed is None else summed, answer=False)
 
     def _wait_for_everyone(self) -> None:
         """Until every rank sent its DONE (after its last push was answered, so applied): as long as
@@ -480,6 +565,14 @@ def reply_dtype(dtype: torch.dtype) -> torch.dtype:
     """An answer's dtype: the values' own, widened to fp32 for 16-bit ones (exact both ways), so that its
     staleness trailer is an exact integer up to 2**24."""
     return torch.float32 if dtype.itemsize < 4 else dtype
+
+
+def empty_push(bucket: Bucket) -> Tensor:
+    """A flat buffer that pushes nothing: no gradient flag set, the aborted flag set (the owner counts
+    the push and applies nothing)."""
+    flat = torch.zeros_like(bucket.flat)
+    flat[-1] = 1
+    return flat
 
 
 def payload_bytes(bucket: Bucket, chunk: Chunk) -> int:

@@ -38,15 +38,17 @@ def _one_hot(model: Ledger, rank: int, clock: int) -> torch.Tensor:
 
 
 def ledger_run(rank: int, world_size: int, staleness: int | None, steps: int, sleeps: list[list[float]],
-               own_steps: list[int] | None = None, raise_at: tuple[int, int] | None = None) -> dict:
+               own_steps: list[int] | None = None, raise_at: tuple[int, int] | None = None,
+               push_every: int = 1, fetch_every: int = 1) -> dict:
     """Train the ledger for ``steps`` clocks (``own_steps[rank]`` on this rank when given: uneven data),
     sleeping ``sleeps[rank][clock]`` seconds after each step (stragglers); ``raise_at`` = (rank, clock):
     that rank's backward raises there and the rank catches it and trains on. Returns what every forward
-    read, the reported staleness per step and the parameters after ``finish()``."""
+    read, the reported staleness and the bytes sent per step, and the parameters after ``finish()``."""
     model = Ledger(world_size, steps)
     wrapped = PoseidonDDP(model, timeout=30, hybrid=False)
-    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=1.0, staleness=staleness)
-    reported, caught = [], []
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=1.0, staleness=staleness, push_every=push_every,
+                          fetch_every=fetch_every)
+    reported, caught, sent = [], [], []
     for clock in range((own_steps or [steps] * world_size)[rank]):
         loss = wrapped(_one_hot(model, rank, clock))
         if raise_at == (rank, clock):
@@ -59,20 +61,23 @@ def ledger_run(rank: int, world_size: int, staleness: int | None, steps: int, sl
         opt.step()
         opt.zero_grad()
         reported.append(opt.last_staleness)
+        sent.append(wrapped.comm_stats.bytes_sent_last_iteration)
         time.sleep(sleeps[rank][clock])
     opt.finish()
     final = model.w.detach().clone()
     wrapped.close()
     return {"reads": [r.tolist() for r in model.reads], "reported": reported, "final": final.tolist(),
-            "caught": caught}
+            "caught": caught, "sent": sent}
 
 
 def _raise(grad: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("injected failure in backward")
 
 
-def least_squares(rank: int, world_size: int, staleness: int | None, steps: int, straggler_s: float) -> dict:
-    """SGD on a least-squares problem with a known optimum; rank 1 pauses ``straggler_s`` every 3rd step."""
+def least_squares(rank: int, world_size: int, staleness: int | None, steps: int, straggler_s: float,
+                  **downpour: int) -> dict:
+    """SGD on a least-squares problem with a known optimum; rank 1 pauses ``straggler_s`` every 3rd step;
+    ``downpour``: push_every, fetch_every."""
     gen = torch.Generator().manual_seed(0)
     x_all = torch.randn(512, 6, generator=gen)
     w_star = torch.randn(6, 1, generator=gen)
@@ -80,7 +85,7 @@ def least_squares(rank: int, world_size: int, staleness: int | None, steps: int,
     torch.manual_seed(1)
     model = nn.Linear(6, 1, bias=False)
     wrapped = PoseidonDDP(model, timeout=30)  # hybrid, the default: an FC layer SSP keeps on PS
-    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, staleness=staleness)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, staleness=staleness, **downpour)
     batches = torch.Generator().manual_seed(100 + rank)
     for step in range(steps):
         index = torch.randint(0, 512, (32,), generator=batches)
@@ -224,7 +229,9 @@ def refusals(rank: int, world_size: int) -> list[str]:
     model = nn.Linear(3, 1)
     messages = []
     for kwargs in ({"staleness": 1, "delay": 1}, {"staleness": None, "max_grad_norm": 1.0},
-                   {"staleness": 2, "lazy_pull": True}, {"staleness": -1}, {"staleness": 1.5}):
+                   {"staleness": 2, "lazy_pull": True}, {"staleness": -1}, {"staleness": 1.5},
+                   {"staleness": 1, "push_every": 2}, {"staleness": None, "fetch_every": 0},
+                   {"staleness": None, "push_every": True}):
         wrapped = PoseidonDDP(model, timeout=30)
         try:
             ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, **kwargs)

@@ -32,9 +32,10 @@ def test_hf_example(server):
     assert "loss:" in torchrun("hf_train.py", "--steps", "5", *server)
 
 
-@pytest.mark.parametrize("staleness", ["2", "none"], ids=["ssp2", "async"])
+@pytest.mark.parametrize("staleness", [["2"], ["none"], ["none", "--push-every", "2", "--fetch-every", "3"]],
+                         ids=["ssp2", "async", "downpour"])
 def test_train_example_with_staleness(staleness):
-    out = torchrun("train.py", "--steps", "6", "--warmup", "2", "--server", "--staleness", staleness, "--compare-ddp")
+    out = torchrun("train.py", "--steps", "6", "--warmup", "2", "--server", "--staleness", *staleness, "--compare-ddp")
     assert "PoseidonDDP speed vs torch DDP" in out and "loss" in out
 
 

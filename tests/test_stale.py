@@ -3,6 +3,8 @@ holds under random stragglers, no push is lost or applied twice, least squares c
 with a clear error on every rank, checkpoints resume, and staleness=0 is today's BSP, bit for bit."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -75,6 +77,29 @@ def test_async_applies_every_push_exactly_once(cluster):
         assert torch.tensor(result["final"]).eq(-1.0 / cluster.world_size).all(), result["final"]
 
 
+def test_downpour_pushes_summed_gradients_and_fetches_every_few_passes(cluster):
+    """push_every=3, fetch_every=2 over 8 clocks: pushes at clocks 2 and 5 (the sums of clocks 0-2 and
+    3-5), the sum of 6-7 pushed by finish(); new values at clocks 1, 3, 5, 7. A forward reads exactly
+    its own pushes sent by the last fetch before it, the same values as the forward before it unless
+    a fetch came between, and after finish() every push is in once."""
+    sleeps = [[0.0] * STEPS for _ in range(cluster.world_size)]
+    sleeps[0] = [0.05 if c % 2 else 0.0 for c in range(STEPS)]
+    results = cluster.run(sw.ledger_run, None, STEPS, sleeps, None, None, 3, 2, timeout=120)
+    applied = -1.0 / cluster.world_size
+    for rank, result in enumerate(results):
+        reads = [torch.tensor(read).view(cluster.world_size, STEPS) for read in result["reads"]]
+        for clock, ledger in enumerate(reads):
+            assert bool(((ledger == 0) | (ledger == applied)).all()), (rank, clock, ledger)
+            fetched = [f for f in (1, 3, 5) if f < clock]
+            pushed_clocks = 3 * ((fetched[-1] + 1) // 3) if fetched else 0
+            assert (ledger[rank] == applied).tolist() == [c < pushed_clocks for c in range(STEPS)], (rank, clock)
+            if clock % 2:  # no fetch at clock - 1
+                assert torch.equal(ledger, reads[clock - 1]), (rank, clock)
+        assert torch.tensor(result["final"]).eq(applied).all(), (rank, result["final"])
+    pushing = {c for result in results for c, sent in enumerate(result["sent"]) if sent > 0}
+    assert pushing == {2, 5}, [result["sent"] for result in results]
+
+
 @pytest.mark.parametrize("staleness", [1, None], ids=["ssp1", "async"])
 def test_uneven_data_a_finished_rank_holds_nobody_back(cluster, staleness):
     """Rank 0 stops after 3 steps and waits in finish(); the others train on to 8."""
@@ -105,9 +130,11 @@ def test_caught_exception_in_backward_skips_that_push_only(cluster, clock):
         assert torch.equal(torch.tensor(result["final"]).view_as(ledger), expected)
 
 
-@pytest.mark.parametrize("staleness", [0, 1, 3, None], ids=["bsp", "ssp1", "ssp3", "async"])
-def test_least_squares_converges(cluster, staleness):
-    results = cluster.run(sw.least_squares, staleness, 150, 0.02, timeout=200)
+@pytest.mark.parametrize("staleness, downpour", [(0, {}), (1, {}), (3, {}), (None, {}),
+                                                 (None, {"push_every": 2, "fetch_every": 3})],
+                         ids=["bsp", "ssp1", "ssp3", "async", "async-push2-fetch3"])
+def test_least_squares_converges(cluster, staleness, downpour):
+    results = cluster.run(partial(sw.least_squares, **downpour), staleness, 150, 0.02, timeout=200)
     for result in results:
         assert result["relative_error"] < 1e-2, result["relative_error"]
         assert torch.equal(result["weight"], results[0]["weight"])
@@ -156,6 +183,8 @@ def test_refusals(cluster):
     assert "max_grad_norm" in messages[1]
     assert "lazy_pull" in messages[2]
     assert "int >= 0" in messages[3] and "int >= 0" in messages[4]
+    assert "Downpour's, for staleness=None" in messages[5]
+    assert "fetch_every must be an int >= 1" in messages[6] and "push_every must be an int >= 1" in messages[7]
 
 
 def test_the_tracer_records_each_iterations_clock_and_staleness(cluster, tmp_path):
