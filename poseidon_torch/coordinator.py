@@ -107,7 +107,11 @@ class Coordinator:
         self.solo, self.learned = solo, learned
 
     def wanted_solo(self) -> set[str]:
-        """FC layers that should get a bucket of their own: on SFB, or forced onto it."""
+        """FC layers that should get a bucket of their own: on SFB, or forced onto it; before the first
+        pass, every FC layer not forced onto PS, so each is watched (its K learned) before the buckets
+        are learned (a layer fused with a neighbour from the start would never be considered for SFB)."""
+        if not self.passes:
+            return {n for n in self.fc if self.overrides.get(n) != PS}
         forced = {n for n, p in self.overrides.items() if p == SFB and not self.sticky[n]}
         return self.sfb | forced
 

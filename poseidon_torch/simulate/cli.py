@@ -114,6 +114,7 @@ def format_rows(rows: list[Row], profile: Profile, link: LinkModel, figures: dic
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table]
     lines.insert(1, "  ".join("-" * width for width in widths))
     gemm = "-" if profile.gemm_flops is None else f"{profile.gemm_flops / 1e9:.4g} GFLOP/s"
+    traced = "" if profile.traced_gbps is None else f"; the traced syncs moved {profile.traced_gbps:.3g} Gbit/s"
     lines.append(f"profile: {profile.source}; {len(profile.layers)} layers, {format_bytes(profile.nbytes)}, "
-                 f"one machine {profile.compute_s * 1e3:.1f} ms per iteration; GEMM {gemm}; link: {link}")
+                 f"one machine {profile.compute_s * 1e3:.1f} ms per iteration; GEMM {gemm}{traced}; link: {link}")
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 
 from ..trace.files import PathLike, load_metadata, load_spans
+from ..trace.overlap import total_length
 from ..trace.spans import Span
 
 
@@ -57,6 +58,8 @@ class Profile:
     samples: int | None = None        #: samples per machine and iteration (for samples/s)
     source: str = ""
     link: dict | None = field(default=None, compare=False)  #: the traced run's link model, for reference
+    #: what the traced run's syncs achieved: bytes sent over the time some sync was on the wire (per rank)
+    traced_gbps: float | None = None
 
     def __post_init__(self) -> None:
         names = [layer.name for layer in self.layers]
@@ -105,7 +108,8 @@ class Profile:
                            for layer in data["layers"])
             return cls(layers, float(data["forward_s"]), float(data.get("other_s", 0.0)),
                        tuple(tuple(bucket) for bucket in data.get("buckets", ())), int(data.get("element_size", 4)),
-                       data.get("gemm_flops"), data.get("samples"), data.get("source", ""), data.get("link"))
+                       data.get("gemm_flops"), data.get("samples"), data.get("source", ""), data.get("link"),
+                       data.get("traced_gbps"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a profile: {exc!r} (fields: layers [name, nbytes, backward_s, fc, tensors], forward_s, "
                              "other_s, buckets, element_size, gemm_flops, samples)") from None
@@ -143,7 +147,15 @@ def from_trace(path: PathLike) -> Profile:
                    for layer in bucket["layers"]]
     forward = _median_per_iteration(ranks, "forward")
     return Profile(tuple(layers), forward, _median_gap(ranks), tuple(buckets), layout["element_size"],
-                   layout["gemm_flops"], None, f"trace {path}", layout["link"])
+                   layout["gemm_flops"], None, f"trace {path}", layout["link"], _wire_gbps(ranks))
+
+
+def _wire_gbps(ranks: dict[int, list[Span]]) -> float | None:
+    """Bytes the syncs sent over the union of the time any of them was on the wire, summed over ranks,
+    in Gbit/s (jobs on several channels overlap: the union counts that time once)."""
+    sent = sum(span.args.get("bytes", 0) for spans in ranks.values() for span in spans if span.kind in ("sync", "pull"))
+    busy = sum(total_length([(s.start_ns, s.end_ns) for s in spans if s.kind == "network"]) for spans in ranks.values())
+    return sent * 8 / busy if sent and busy else None
 
 
 def _median_by_name(ranks: dict[int, list[Span]], kind: str) -> dict[str, float]:
