@@ -13,7 +13,9 @@ bandwidth with the traced run's probed latency, two ways:
 - *nominal*: the link at the emulated bandwidth;
 - *calibrated*: this machine cannot move bytes at 10 Gbit/s (two cores copy and run TCP for every
   emulated host): a per-byte host cost in series with the link, fitted once per workload from the
-  reference trace (what its syncs achieved on the wire against the nominal bandwidth).
+  reference trace (what its syncs achieved on the wire against the nominal bandwidth). It is CPU
+  time, so it grows with the cell's compute contention as compute does (times the cell's compute-only
+  iteration over the reference configuration's).
 
 Both scale every compute time by the cell's own measured compute-only iteration over the profile's
 (``scale``: the emulated hosts share this machine's two cores, so 4 hosts compute about twice as
@@ -66,11 +68,13 @@ def host_seconds_per_byte(profile: Profile, nominal_bps: float) -> float:
 def rows(run_dirs: list[Path], reference: str, slowdowns: list[float]) -> list[dict]:
     out = []
     reference_bps = parse_rate(reference.rsplit("_", 1)[-1])  # e.g. netns_h2_10gbit
-    for cell in sorted(cells(run_dirs).values(), key=lambda c: (c["hosts"], -parse_rate(c["bandwidth"]), c["workload"])):
+    all_cells = cells(run_dirs)
+    for cell in sorted(all_cells.values(), key=lambda c: (c["hosts"], -parse_rate(c["bandwidth"]), c["workload"])):
         times, traces = cell["times"], run_dirs[0] / f"{reference}_{cell['workload']}" / "traces"
         profiles = {trace: from_trace(traces / f"{cell['workload']}-{trace}" / "trace_merged.json")
                     for trace in ("poseidon-ps", "poseidon-hybrid")}
-        host = host_seconds_per_byte(profiles["poseidon-ps"], reference_bps)
+        contention = times["compute-only"] / all_cells[f"{reference}_{cell['workload']}"]["times"]["compute-only"]
+        host = host_seconds_per_byte(profiles["poseidon-ps"], reference_bps) * contention
         for mode, (scheme, trace) in COMPARED.items():
             if mode not in times:
                 continue

@@ -56,8 +56,12 @@ def predict_sfb(k: int, m: int, n: int, element_size: int, world_size: int, link
                 gemm_flops: float) -> tuple[float, float]:
     """(bytes per rank, seconds) of one SFB sync at K rows per rank: the all-gather and the rebuild."""
     sent = sfb_bytes_per_rank(k, m, n, world_size, element_size)
-    rebuild = 2.0 * m * (world_size * k) * n / gemm_flops
-    return sent, link.seconds(sent, sfb_messages(world_size)) + rebuild
+    return sent, link.seconds(sent, sfb_messages(world_size)) + sfb_rebuild_seconds(k, m, n, world_size, gemm_flops)
+
+
+def sfb_rebuild_seconds(k: int, m: int, n: int, world_size: int, gemm_flops: float) -> float:
+    """SFB's rebuild of the gradient from every rank's factors: a GEMM of M x PK x N."""
+    return 2.0 * m * (world_size * k) * n / gemm_flops
 
 
 class Coordinator:

@@ -9,7 +9,7 @@ import pytest
 
 import simulate_workers
 from poseidon_torch.link import LinkModel
-from poseidon_torch.simulate import FCShape, LayerProfile, Profile, from_trace, predict
+from poseidon_torch.simulate import FCShape, Job, LayerProfile, Profile, bsp, from_trace, pipelined, predict
 from poseidon_torch.simulate.paper import vgg19_22k
 from poseidon_torch.simulate.schemes import SCHEMES
 from poseidon_torch.simulate.timeline import advance
@@ -71,6 +71,18 @@ def test_slowdown_stretches_compute_while_the_link_is_busy():
     assert advance(0.0, 1.0, [(0.0, 1.0)], 4.0) == pytest.approx(1.75)
 
 
+def test_sfb_rebuild_runs_on_the_compute_lane():
+    # job A (after the top layer): 0.5 s on the link from 3, then 1 s of rebuild, available at 3.5 while
+    # the bottom layer computes (3 to 6): it runs after it, 6 to 7; job B's 0.2 s link from 6; + 0.5
+    jobs = [Job("a", 0, 0.5, 0.0, "SFB", compute_s=1.0), Job("b", 1, 0.2, 0.0, "PS")]
+    assert bsp(two_layers(), jobs).iteration_s == pytest.approx(7.5)
+    # available at 3, before the bottom layer starts: it runs first, 3 to 4; the bottom layer 4 to 7
+    jobs[0] = Job("a", 0, 0.0, 0.0, "SFB", compute_s=1.0)
+    assert bsp(two_layers(), jobs).iteration_s == pytest.approx(7.7)
+    # pipelined: 6.5 s of compute and 1 s of rebuild against 0.2 s on the link
+    assert pipelined(two_layers(), jobs).iteration_s == pytest.approx(7.5)
+
+
 def test_pipelined_iteration_is_the_larger_of_compute_and_communication():
     # 6.5 s of compute against 1.24 s of communication; at slowdown 2 the overlapped 1.24 s cost half more
     assert iteration("wfbp+delay", two_layers()) == pytest.approx(6.5)
@@ -88,6 +100,9 @@ def test_poseidon_takes_sfb_where_it_is_cheaper_and_grows_with_the_machines():
     assert rows[2].sfb_layers == ("fc",)
     ps_conv = 400_000 + 4 * 2
     assert rows[2].bytes_per_machine == pytest.approx(48_024 + ps_conv)
+    # its rebuild, 2 M (P K) N = 32 MFLOP at 1 TFLOP/s, is compute after its 0.01 + 0.0048 s all-gather
+    (sfb,) = [job for job in SCHEMES["poseidon"].jobs(profile, 2, LINK) if job.path == "SFB"]
+    assert (sfb.seconds, sfb.compute_s) == pytest.approx((0.01 + 48_024e-7, 32e6 / 1e12))
     assert rows[16].bytes_per_machine == pytest.approx(15 * 48_024 + 2 * 15 / 16 * ps_conv)
     # at 512 machines 511 blocks (24.5 MB) cost more than the PS sync (16 MB) where bytes dominate
     (row,) = predict(profile, ["poseidon"], [512], LinkModel(1e-6, 1e-7))

@@ -90,11 +90,14 @@ class Profile:
         return [[by_name[name] for name in bucket] for bucket in self.buckets]
 
     def scaled(self, factor: float) -> Profile:
-        """Every compute time times ``factor`` (e.g. the CPU contention of more ranks per machine)."""
+        """Every compute time times ``factor`` (e.g. the CPU contention of more ranks per machine), SFB's
+        rebuild GEMM included (its rate divided by ``factor``)."""
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"a compute scale must be > 0, got {factor}")
         layers = tuple(replace(layer, backward_s=layer.backward_s * factor) for layer in self.layers)
-        return replace(self, layers=layers, forward_s=self.forward_s * factor, other_s=self.other_s * factor)
+        gemm = None if self.gemm_flops is None else self.gemm_flops / factor
+        return replace(self, layers=layers, forward_s=self.forward_s * factor, other_s=self.other_s * factor,
+                       gemm_flops=gemm)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,7 +9,8 @@ what it costs. The timeline (:mod:`.timeline`) is the same for all of them.
   layer for a profile without them);
 - ``poseidon``: WFBP plus the coordinator's per-layer choice at that number of machines: an FC layer
   whose SFB sync is predicted cheaper than its PS sync takes SFB as a job of its own (SFB's cost grows
-  with the machines, PS's does not);
+  with the machines, PS's does not); its factor all-gather uses the link, its rebuild GEMM the
+  compute lane (it runs on the same cores or GPU as the backward);
 - ``<scheme>+delay``: Pipe-SGD (``delay >= 1``): the same jobs, overlapping the next iteration.
 
 Costs come from the coordinator's own formulas (:func:`~poseidon_torch.coordinator.predict_ps`,
@@ -20,7 +21,7 @@ sends 2(P-1)/P of the bucket in 2(P-1) steps.
 from __future__ import annotations
 
 from ..bucket import flat_numel
-from ..coordinator import PS, SFB, predict_ps, predict_sfb
+from ..coordinator import PS, SFB, predict_ps, predict_sfb, sfb_rebuild_seconds
 from ..link import LinkModel
 from .profile import LayerProfile, Profile
 from .timeline import Job, Timeline, bsp, pipelined
@@ -94,7 +95,9 @@ class Poseidon(WFBP):
                 rest.append(layer)
             else:
                 sent, seconds = sfb
-                jobs.append(Job(layer.name, index[layer.name], seconds, sent, SFB))
+                fc = layer.fc
+                rebuild = sfb_rebuild_seconds(fc.k, fc.m, fc.n, hosts, profile.gemm_flops)
+                jobs.append(Job(layer.name, index[layer.name], seconds - rebuild, sent, SFB, rebuild))
         if rest:
             jobs.append(_ps_job(rest, index[rest[-1].name], hosts, profile.element_size, link))
         return sorted(jobs, key=lambda job: job.after)

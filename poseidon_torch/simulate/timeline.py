@@ -6,7 +6,9 @@ backward each becomes ready, and what it costs (:mod:`.schemes`):
 - the forward, then each layer's backward in profile order, back to back on the compute lane;
 - a job is ready when the layer it waits for has finished its backward; jobs use the link one at a
   time in the order they became ready (one NIC: concurrent channels share its bandwidth, so the last
-  job ends when it would in this order);
+  job ends when it would in this order); a job's compute (SFB's rebuild) then queues on the compute
+  lane, before the next layer's backward (the lane runs one piece of work at a time, in the order
+  they became available);
 - with a slowdown factor s >= 1, compute runs s times slower while the link is busy (communication's
   interference with compute: memory copies, CPU time of the transport; measured, not derived);
 - BSP: the iteration ends when backward and every job have ended, then ``other_s`` (the optimizer step);
@@ -19,7 +21,7 @@ overlap on the link; a job never starts before it is ready.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,9 +32,10 @@ from .profile import Profile
 class Job:
     name: str
     after: int          #: index of the layer whose backward makes it ready
-    seconds: float      #: its time on the link (and SFB's rebuild)
+    seconds: float      #: its time on the link
     nbytes: float       #: bytes this machine sends
     path: str           #: "PS", "SFB" or "all-reduce"
+    compute_s: float = 0.0  #: compute it needs once its link part ended (SFB's rebuild GEMM)
 
 
 @dataclass(frozen=True)
@@ -66,27 +69,40 @@ def bsp(profile: Profile, jobs: Sequence[Job], slowdown: float = 1.0) -> Timelin
     for job in jobs:
         ready[job.after].append(job)
     now, link_free, spans = profile.forward_s, 0.0, []
+    rebuilds: deque[tuple[float, float]] = deque()  # (available at, seconds): in link order, so in time order
+
+    def compute(start: float, work: float) -> float:
+        return advance(start, work, [(s.start_s, s.end_s) for s in spans], slowdown)
+
     for index, layer in enumerate(profile.layers):
-        now = advance(now, layer.backward_s, [(s.start_s, s.end_s) for s in spans], slowdown)
+        while rebuilds and rebuilds[0][0] <= now:
+            now = compute(now, rebuilds.popleft()[1])
+        now = compute(now, layer.backward_s)
         for job in ready[index]:
             start = max(now, link_free)
             link_free = start + job.seconds
             spans.append(JobSpan(job, start, link_free))
+            if job.compute_s:
+                rebuilds.append((link_free, job.compute_s))
+    backward_end = now
+    for available, work in rebuilds:
+        now = compute(max(now, available), work)
     end = max(now, link_free) + profile.other_s
-    return Timeline(end, profile.compute_s, now, tuple(spans))
+    return Timeline(end, profile.compute_s, backward_end, tuple(spans))
 
 
 def pipelined(profile: Profile, jobs: Sequence[Job], slowdown: float = 1.0) -> Timeline:
     """Steady state with the sync of step t overlapping step t+1: max(communication, compute), compute
-    slowed by s while communication runs beside it."""
+    (the jobs' own included) slowed by s while communication runs beside it."""
     _check(profile, jobs, slowdown)
-    work, comm = profile.compute_s, sum(job.seconds for job in jobs)
+    work = profile.compute_s + sum(job.compute_s for job in jobs)
+    comm = sum(job.seconds for job in jobs)
     period = comm if comm >= work * slowdown else work + comm * (1.0 - 1.0 / slowdown)
     spans, start = [], 0.0
     for job in jobs:  # laid out back to back from the start of the period
         spans.append(JobSpan(job, start, start + job.seconds))
         start += job.seconds
-    return Timeline(period, work, work, tuple(spans))
+    return Timeline(period, profile.compute_s, work, tuple(spans))
 
 
 def advance(now: float, work: float, busy: Sequence[tuple[float, float]], slowdown: float) -> float:
