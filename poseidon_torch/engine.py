@@ -211,7 +211,11 @@ class Engine:
             k = self.coordinator.k_known.get(layer.name)
             shape = {"m": fc.m, "n": fc.n, "k": k} if fc is not None and k else None
             return {"name": layer.name, "bytes": layer.nbytes, "tensors": len(layer.params), "fc": shape}
+        lazy = self.server is not None and self.server.facade.lazy_pull
         return {"element_size": self.params[0].element_size() if self.params else 4,
+                #: a forward of this mode may wait for the network (its span is not compute alone)
+                "forward_waits": self.consistency.defers or not self.consistency.lockstep or lazy,
+                "server": self.server is not None,
                 "gemm_flops": self.coordinator.gemm_flops,
                 "link": {"alpha_s": self.link.alpha_s, "beta_s_per_byte": self.link.beta_s_per_byte},
                 "buckets": [{"name": b.name, "layers": [describe(layer) for layer in b.layers]} for b in self.buckets]}

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from .optimizer import ServerOptimizer
 
 HEADER, PAYLOAD, REPLY = 1, 2, 1000  #: message tags (a reply's tag adds the chunk's id)
-PUSH, DONE, STOP, FETCH = 0, 1, 2, 3  #: what a header [kind, chunk id, push number, clock, answer?] announces
+#: what a header [kind, chunk id, push number, clock, answer?] announces (BEAT: still training)
+PUSH, DONE, STOP, FETCH, BEAT = 0, 1, 2, 3, 4
 #: the requests' backends never time out: their receives wait for whichever rank pushes next, however
 #: long its compute takes (a gloo receive that times out closes the connection); the waits that can
 #: fail (replies, the SSP bound) use the engine's timeout
@@ -152,7 +153,8 @@ class StaleServer:
         self._cids: dict[int, list[tuple[int, Chunk]]] = {}  #: id(bucket) -> (chunk id, chunk)
         self._done = [False] * self.size
         self._dead: set[int] = set()  #: requesters an answer could not reach
-        self._heard = [time.monotonic()] * self.size  #: when each rank's last push or DONE arrived
+        self._heard = [time.monotonic()] * self.size  #: when each rank's last message arrived
+        self._sent_at: dict[int, float] = defaultdict(float)  #: when this rank last sent each peer a message
         self._waiting: list[tuple[int, int, int]] = []  #: (rank, chunk id, clock) answers due later
         self._send_locks = defaultdict(threading.Lock)
         self._log = _PassLog()
@@ -195,6 +197,7 @@ class StaleServer:
                                "servers take the loaded values")
 
     def begin_pass(self) -> None:
+        self._reassure_the_finished()
         self.clock += 1
         self.pushing = (self.clock + 1) % self.push_every == 0
         self.fetching = (self.clock + 1) % self.fetch_every == 0
@@ -202,6 +205,17 @@ class StaleServer:
         # without a fetch the next forward reads the same values as this one: one clock staler
         self._log = _PassLog() if self.fetching else _PassLog(self._log.staleness + 1)
         self.facade.forget_consolidated()  # this pass's pushes change the state
+
+    def _reassure_the_finished(self) -> None:
+        """A rank waiting in ``finish()`` hears from this one at least every timeout / 4 while it trains
+        on: it may own none of this rank's chunks, or this rank may push and fetch rarely
+        (``push_every``), so pushes alone cannot tell it that this rank is alive."""
+        now = time.monotonic()
+        with self._cond:
+            waiting = [peer for peer, done in enumerate(self._done) if done and peer != self.rank]
+        for peer in waiting:
+            if now - self._sent_at[peer] > self.timeout / 4:
+                self._send(peer, self._header(BEAT, 0, False))
 
     def pushed(self) -> None:
         pass
@@ -305,8 +319,11 @@ class StaleServer:
         for cid, chunk in self._cids[id(bucket)]:
             if chunk.owner != self.rank:
                 reply = torch.empty(chunk.stop - chunk.start + 1, dtype=reply_dtype(bucket.flat.dtype))
-                posted.append((cid, chunk, reply,
-                               self._backend_to(self.rank, chunk.owner).recv([reply], chunk.owner, REPLY + cid)))
+                try:
+                    work = self._backend_to(self.rank, chunk.owner).recv([reply], chunk.owner, REPLY + cid)
+                except RuntimeError as exc:  # the connection is already closed: the owner died
+                    raise self._unreachable(chunk.owner, exc) from None
+                posted.append((cid, chunk, reply, work))
         return posted
 
     def _take_answers(self, bucket: Bucket, answers: list[tuple[int, Chunk, Tensor, Any]]) -> None:
@@ -336,8 +353,11 @@ class StaleServer:
                 if payload is not None:
                     backend.send([payload], peer, PAYLOAD).wait(timedelta(seconds=self.timeout))
         except RuntimeError as exc:
-            raise SyncError(f"staleness={self.bound}: rank {self.rank} could not reach rank {peer}'s server "
-                            f"(dead?): {exc}") from None
+            raise self._unreachable(peer, exc) from None
+        self._sent_at[peer] = time.monotonic()
+
+    def _unreachable(self, peer: int, exc: Exception) -> SyncError:
+        return SyncError(f"staleness={self.bound}: rank {self.rank} could not reach rank {peer}'s server (dead?): {exc}")
 
     def _backend_to(self, peer: int, sender: int | None = None) -> Backend:
         """The backend of messages from ``sender`` (default: this rank) to ``peer``."""
@@ -388,6 +408,10 @@ class StaleServer:
                     continue
                 if kind == FETCH:
                     self._send_replies(self._answer_later(cid, source, clock))
+                    continue
+                if kind == BEAT:
+                    with self._cond:
+                        self._heard[source] = time.monotonic()
                     continue
                 owned = self._owned[cid]
                 payload = torch.empty(owned.payload_numel, dtype=owned.bucket.flat.dtype)
@@ -493,6 +517,16 @@ class StaleServer:
             replies = self._due()
         self._send_replies(replies)
         self._wait_for_everyone()
+        try:
+            self._settle()
+        except RuntimeError as exc:
+            raise SyncError(f"staleness={self.bound}: finish() on rank {self.rank}: every rank said it was done, "
+                            f"but the collective that settles the values failed ({exc}): a peer left finish() with an "
+                            "error (see its own) or died") from None
+
+    def _settle(self) -> None:
+        """Collective: every rank's parameters the owners' values (or, after a load, the other way round);
+        the clocks start again."""
         loaded = torch.tensor([float(self.parameters_loaded)])
         self.control.all_reduce(loaded, dist.ReduceOp.MAX)  # one rank loaded: the same collective everywhere
         if loaded.item():
@@ -520,9 +554,12 @@ class StaleServer:
 
     def _wait_for_everyone(self) -> None:
         """Until every rank sent its DONE (after its last push was answered, so applied): as long as
-        the ranks still missing are heard from (they push every step, however long their data lasts);
-        one silent for the timeout, dead or stalled, is named."""
+        the ranks still missing are heard from (their pushes, or the beats they send a rank they know
+        waits, however long their data lasts); one silent for the timeout since this rank began to
+        wait, dead or stalled, is named."""
         with self._cond:
+            began = time.monotonic()  # the others learn only now (DONE) that this rank listens for them
+            self._heard = [max(heard, began) for heard in self._heard]
             while not all(self._done) and self.failure is None:
                 now = time.monotonic()
                 silent = [r for r, done in enumerate(self._done) if not done and now - self._heard[r] > self.timeout]

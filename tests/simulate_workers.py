@@ -11,6 +11,19 @@ from workers import shard, slow_link
 STEPS, SKIP = 6, 3
 
 
+def traced_delayed(rank: int, world_size: int, trace_dir: str) -> None:
+    """A traced Pipe-SGD run (``delay=1``): its forward waits for the previous step's sync."""
+    spec = ModelSpec(widths=(16,))
+    wrapped = PoseidonDDP(build(spec, seed=0), timeout=60, trace_dir=trace_dir, trace_skip=1, trace_iters=2, delay=1)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(spec, step, 2, world_size)
+        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    wrapped.close()
+
+
 def traced_bytes(rank: int, world_size: int, trace_dir: str, hybrid: bool) -> dict:
     """An MLP of four FC layers, each in a bucket of its own, traced over its last iterations on a link
     where SFB wins for the hidden layers (not the small head): the last iteration's bytes (PS and SFB)

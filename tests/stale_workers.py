@@ -39,13 +39,13 @@ def _one_hot(model: Ledger, rank: int, clock: int) -> torch.Tensor:
 
 def ledger_run(rank: int, world_size: int, staleness: int | None, steps: int, sleeps: list[list[float]],
                own_steps: list[int] | None = None, raise_at: tuple[int, int] | None = None,
-               push_every: int = 1, fetch_every: int = 1) -> dict:
+               push_every: int = 1, fetch_every: int = 1, timeout: float = 30) -> dict:
     """Train the ledger for ``steps`` clocks (``own_steps[rank]`` on this rank when given: uneven data),
     sleeping ``sleeps[rank][clock]`` seconds after each step (stragglers); ``raise_at`` = (rank, clock):
     that rank's backward raises there and the rank catches it and trains on. Returns what every forward
     read, the reported staleness and the bytes sent per step, and the parameters after ``finish()``."""
     model = Ledger(world_size, steps)
-    wrapped = PoseidonDDP(model, timeout=30, hybrid=False)
+    wrapped = PoseidonDDP(model, timeout=timeout, hybrid=False)
     opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=1.0, staleness=staleness, push_every=push_every,
                           fetch_every=fetch_every)
     reported, caught, sent = [], [], []
@@ -65,9 +65,10 @@ def ledger_run(rank: int, world_size: int, staleness: int | None, steps: int, sl
         time.sleep(sleeps[rank][clock])
     opt.finish()
     final = model.w.detach().clone()
+    owns = bool(opt.server.shards)
     wrapped.close()
     return {"reads": [r.tolist() for r in model.reads], "reported": reported, "final": final.tolist(),
-            "caught": caught, "sent": sent}
+            "caught": caught, "sent": sent, "owns": owns}
 
 
 def _raise(grad: torch.Tensor) -> torch.Tensor:
@@ -101,13 +102,13 @@ def least_squares(rank: int, world_size: int, staleness: int | None, steps: int,
     return {"relative_error": error, "weight": model.weight.detach().clone()}
 
 
-def dies_or_raises(rank: int, world_size: int, staleness: int | None, how: str) -> dict:
+def dies_or_raises(rank: int, world_size: int, staleness: int | None, how: str, **downpour: int) -> dict:
     """Rank 1 exits (``how`` = "exit") or raises out of its training loop (``how`` = "raise") at step
     3; the other ranks must end with a SyncError that names the cause within the timeout."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
-    wrapped = PoseidonDDP(model, timeout=5, hybrid=False)
-    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.01, staleness=staleness)
+    wrapped = PoseidonDDP(model, timeout=5, hybrid=False, chunk_bytes=64)  # every rank owns chunks
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.01, staleness=staleness, **downpour)
     start = None
     try:
         for step in range(40):

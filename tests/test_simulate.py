@@ -168,15 +168,56 @@ def test_cli_prints_the_papers_figures_beside_vgg19_22k():
 
 @pytest.mark.parametrize("args, message", [
     (["missing.json", "--bandwidth", "1gbit"], "No such file"),
+    (["vgg19-22k", "--bandwidth", "1gbit", "--gemm-gflops", "0"], "gemm_flops is a finite number > 0"),
+    (["vgg19-22k", "--bandwidth", "1gbit", "--slowdown", "inf"], "--slowdown is a finite factor"),
+    (["vgg19-22k", "--bandwidth", "1gbit", "--plot", "."], "a directory"),
+    ([__file__, "--bandwidth", "1gbit"], "not JSON"),
     (["vgg19-22k", "--bandwidth", "fast"], "bad rate"),
     (["vgg19-22k", "--bandwidth", "1gbit", "--hosts", "0,2"], "must be >= 1"),
     (["vgg19-22k", "--bandwidth", "1gbit", "--schemes", "ring"], "unknown scheme"),
-    (["vgg19-22k", "--bandwidth", "1gbit", "--slowdown", "0.5"], "slowdown factor"),
+    (["vgg19-22k", "--bandwidth", "1gbit", "--slowdown", "0.5"], "finite factor >= 1"),
 ])
 def test_cli_bad_input_is_a_clear_error(args, message):
     done = run_cli(*args)
     assert done.returncode == 2
     assert "poseidon-simulate: error:" in done.stderr and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layers": [{"name": "a", "nbytes": -4, "backward_s": 1.0}]}, "nbytes is an int >= 0"),
+    ({"layers": [{"name": "a", "nbytes": 4, "backward_s": 1.0, "fc": {"m": 2, "n": 2, "k": 0}}]}, "ints > 0"),
+    ({"gemm_flops": 0}, "gemm_flops is a finite number > 0"),
+    ({"element_size": 0}, "element_size is 1, 2, 4 or 8"),
+    ({"samples": "32"}, "samples is an int > 0"),
+    ({"forward_s": True}, "forward_s is a time"),
+    ({"forward_s": 0.0, "other_s": 0.0, "layers": [{"name": "a", "nbytes": 4, "backward_s": 0.0}]},
+     "must be finite and > 0"),
+    ({"forward_s": None}, "forward_s is a time"),
+])
+def test_a_bad_profile_is_refused_with_the_field_named(change, message):
+    good = {**two_layers().to_dict(), "buckets": []}
+    with pytest.raises(ValueError, match=message):
+        Profile.from_dict({**good, **change})
+    with pytest.raises(ValueError, match="the field 'forward_s' is missing"):
+        Profile.from_dict({key: value for key, value in good.items() if key != "forward_s"})
+
+
+def test_profile_out_is_the_traced_profile_before_the_options(tmp_path):
+    out = tmp_path / "profile.json"
+    done = run_cli("vgg19-22k", "--hosts", "2", "--bandwidth", "10gbit", "--compute-scale", "2", "--profile-out",
+                   str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    again = run_cli(str(out), "--hosts", "2", "--bandwidth", "10gbit", "--compute-scale", "2", "--json")
+    assert json.loads(again.stdout)[0]["iteration_s"] == json.loads(done.stdout)[0]["iteration_s"]
+    failed = tmp_path / "never.json"
+    assert run_cli("vgg19-22k", "--hosts", "0", "--bandwidth", "1gbit", "--profile-out", str(failed)).returncode == 2
+    assert not failed.exists()
+
+
+def test_a_trace_whose_forward_waits_for_the_network_is_refused(cluster, tmp_path):
+    cluster.run(simulate_workers.traced_delayed, str(tmp_path))
+    with pytest.raises(ValueError, match="forward waits for the network"):
+        from_trace(tmp_path / "trace_merged.json")
 
 
 def test_a_trace_without_layout_is_refused(tmp_path):

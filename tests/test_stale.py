@@ -100,6 +100,25 @@ def test_downpour_pushes_summed_gradients_and_fetches_every_few_passes(cluster):
     assert pushing == {2, 5}, [result["sent"] for result in results]
 
 
+@pytest.mark.parametrize("downpour", [(1, 1), (8, 8)], ids=["every-step", "push-fetch-every-8"])
+@pytest.mark.parametrize("early", ["first", "last"])
+def test_finish_waits_for_a_rank_that_trains_on_without_pushing_to_it(cluster, downpour, early):
+    """One rank finishes after a step while the others train on for 1.5 times the timeout: whether the
+    finished rank owns no chunk (it hears none of their pushes) or they push and fetch only every 8
+    steps, the others are alive, and finish() must wait for them, not call them dead."""
+    finisher = 0 if early == "first" else cluster.world_size - 1
+    own = [STEPS] * cluster.world_size
+    own[finisher] = 1
+    sleeps = [[0.0 if rank == finisher else 0.75] * STEPS for rank in range(cluster.world_size)]
+    results = cluster.run(sw.ledger_run, None, STEPS, sleeps, own, None, *downpour, 4.0, timeout=120)
+    expected = torch.zeros(cluster.world_size, STEPS)
+    for rank, n in enumerate(own):
+        expected[rank, :n] = -1.0 / cluster.world_size
+    for result in results:
+        assert torch.equal(torch.tensor(result["final"]).view_as(expected), expected)
+    assert not all(result["owns"] for result in results)  # one chunk: some rank owns none
+
+
 @pytest.mark.parametrize("staleness", [1, None], ids=["ssp1", "async"])
 def test_uneven_data_a_finished_rank_holds_nobody_back(cluster, staleness):
     """Rank 0 stops after 3 steps and waits in finish(); the others train on to 8."""
@@ -141,9 +160,10 @@ def test_least_squares_converges(cluster, staleness, downpour):
 
 
 @pytest.mark.parametrize("how", ["exit", "raise"])
-@pytest.mark.parametrize("staleness", [1, None], ids=["ssp1", "async"])
-def test_dead_or_failed_peer_ends_with_a_clear_error(fresh_cluster, how, staleness):
-    outcomes = fresh_cluster.run_outcomes(sw.dies_or_raises, staleness, how, timeout=90)
+@pytest.mark.parametrize("staleness, downpour", [(1, {}), (None, {}), (None, {"push_every": 5, "fetch_every": 5})],
+                         ids=["ssp1", "async", "async-push5-fetch5"])
+def test_dead_or_failed_peer_ends_with_a_clear_error(fresh_cluster, how, staleness, downpour):
+    outcomes = fresh_cluster.run_outcomes(partial(sw.dies_or_raises, **downpour), staleness, how, timeout=90)
     survivor = outcomes[0]
     assert survivor.ok, survivor.value
     assert survivor.value["error"] is not None, "the survivor trained on alone to the end"

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from dataclasses import replace
 
@@ -33,23 +35,40 @@ DEFAULT_HOSTS = "1,2,4,8,16,32,64"
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        profile = _profile(args)
-        link = LinkModel.from_gbps(parse_rate(args.bandwidth) / 1e9, args.latency_us)
-        rows = predict(profile, args.schemes.split(","), _hosts(args.hosts), link, args.slowdown)
+        print(_run(args))
     except (OSError, ValueError, TraceFormatError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _run(args: argparse.Namespace) -> str:
+    """The predictions as text (a table, or JSON); the plot and the profile file written first."""
+    traced = paper.vgg19_22k() if args.trace == paper.NAME else load(args.trace)
+    profile = _adjusted(traced, args)
+    link = LinkModel.from_gbps(parse_rate(args.bandwidth) / 1e9, args.latency_us)
+    if not (math.isfinite(args.slowdown) and args.slowdown >= 1):
+        raise ValueError(f"--slowdown is a finite factor >= 1 (1: communication does not slow compute), got "
+                         f"{args.slowdown}")
+    rows = predict(profile, args.schemes.split(","), _hosts(args.hosts), link, args.slowdown)
     figures = paper.PAPER_40GBE if args.trace == paper.NAME and link.bandwidth_gbps == paper.PAPER_BANDWIDTH_GBPS \
         else {}
-    if args.json:
-        print(json.dumps([_with_paper(row.to_dict(), figures) for row in rows], indent=1))
-    else:
-        print(format_rows(rows, profile, link, figures))
+    text = json.dumps([_with_paper(row.to_dict(), figures) for row in rows], indent=1) if args.json \
+        else format_rows(rows, profile, link, figures)
     if args.plot:
-        from .plot import plot_speedup
+        _plot(rows, args.plot, f"{profile.source}, {link}", figures)
+    if args.profile_out:
+        with open(args.profile_out, "w", encoding="utf-8") as stream:
+            json.dump(traced.to_dict(), stream, indent=1)
+    return text
 
-        plot_speedup(rows, args.plot, f"{profile.source}, {link}", figures)
-    return 0
+
+def _plot(rows: list[Row], path: str, title: str, figures: dict) -> None:
+    if os.path.isdir(path):
+        raise ValueError(f"--plot {path}: a directory; give the PNG file to write")
+    from .plot import plot_speedup
+
+    plot_speedup(rows, path, title, figures)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,20 +86,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gemm-gflops", type=float, help="SFB's rebuild GEMM rate [the trace's probe]")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--plot", metavar="PNG", help="write the speed-up curves")
-    parser.add_argument("--profile-out", metavar="JSON", help="write the profile taken from TRACE")
+    parser.add_argument("--profile-out", metavar="JSON",
+                        help="write the profile taken from TRACE (before --compute-scale and --gemm-gflops)")
     return parser
 
 
-def _profile(args: argparse.Namespace) -> Profile:
-    profile = paper.vgg19_22k() if args.trace == paper.NAME else load(args.trace)
+def _adjusted(profile: Profile, args: argparse.Namespace) -> Profile:
+    """``profile`` with ``--gemm-gflops`` and ``--compute-scale`` applied."""
     if args.gemm_gflops is not None:
         profile = replace(profile, gemm_flops=args.gemm_gflops * 1e9)
-    if args.compute_scale != 1.0:
-        profile = profile.scaled(args.compute_scale)
-    if args.profile_out:
-        with open(args.profile_out, "w", encoding="utf-8") as stream:
-            json.dump(profile.to_dict(), stream, indent=1)
-    return profile
+    return profile.scaled(args.compute_scale) if args.compute_scale != 1.0 else profile
 
 
 def _hosts(text: str) -> list[int]:
@@ -114,6 +129,9 @@ def format_rows(rows: list[Row], profile: Profile, link: LinkModel, figures: dic
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table]
     lines.insert(1, "  ".join("-" * width for width in widths))
     gemm = "-" if profile.gemm_flops is None else f"{profile.gemm_flops / 1e9:.4g} GFLOP/s"
+    if not any(layer.fc for layer in profile.layers) or profile.gemm_flops is None:
+        lines.append("no FC layer with a known shape and rows (K) in the profile, or no GEMM rate: poseidon syncs as "
+                     "wfbp (trace the default hybrid mode on 2 ranks to record them)")
     traced = "" if profile.traced_gbps is None else f"; the traced syncs moved {profile.traced_gbps:.3g} Gbit/s"
     lines.append(f"profile: {profile.source}; {len(profile.layers)} layers, {format_bytes(profile.nbytes)}, "
                  f"one machine {profile.compute_s * 1e3:.1f} ms per iteration; GEMM {gemm}{traced}; link: {link}")

@@ -37,6 +37,10 @@ class FCShape:
     n: int
     k: int
 
+    def __post_init__(self) -> None:
+        if not all(_is_int(v) and v > 0 for v in (self.m, self.n, self.k)):
+            raise ValueError(f"an FC layer's m, n and k are ints > 0, got {self.m!r}, {self.n!r}, {self.k!r}")
+
 
 @dataclass(frozen=True)
 class LayerProfile:
@@ -45,6 +49,14 @@ class LayerProfile:
     backward_s: float      #: this layer's share of the backward compute
     fc: FCShape | None = None
     tensors: int = 1       #: parameter tensors (the PS path sends a flag per tensor)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"a layer's name is a string, got {self.name!r}")
+        if not (_is_int(self.nbytes) and self.nbytes >= 0 and _is_int(self.tensors) and self.tensors > 0):
+            raise ValueError(f"layer {self.name!r}: nbytes is an int >= 0 and tensors an int > 0, got "
+                             f"{self.nbytes!r}, {self.tensors!r}")
+        _check_time(f"layer {self.name!r} backward_s", self.backward_s)
 
 
 @dataclass(frozen=True)
@@ -67,11 +79,20 @@ class Profile:
             raise ValueError("a profile needs at least one layer")
         if len(set(names)) != len(names):
             raise ValueError("a profile's layer names must be unique")
-        times = [self.forward_s, self.other_s, *(layer.backward_s for layer in self.layers)]
-        if not all(math.isfinite(t) and t >= 0 for t in times):
-            raise ValueError(f"a profile's times must be finite and >= 0, got {times}")
+        _check_time("forward_s", self.forward_s)
+        _check_time("other_s", self.other_s)
+        if not (math.isfinite(self.compute_s) and self.compute_s > 0):
+            raise ValueError(f"a profile's iteration (forward + backward + other) must be finite and > 0, got "
+                             f"{self.compute_s}")
         if self.buckets and [name for bucket in self.buckets for name in bucket] != names:
             raise ValueError("a profile's buckets must list every layer once, in the layers' order")
+        if self.element_size not in (1, 2, 4, 8):
+            raise ValueError(f"a profile's element_size is 1, 2, 4 or 8 bytes, got {self.element_size!r}")
+        for name, value in (("gemm_flops", self.gemm_flops), ("traced_gbps", self.traced_gbps)):
+            if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
+                raise ValueError(f"a profile's {name} is a finite number > 0 (or null), got {value!r}")
+        if self.samples is not None and not (_is_int(self.samples) and self.samples > 0):
+            raise ValueError(f"a profile's samples is an int > 0 (or null), got {self.samples!r}")
 
     @property
     def compute_s(self) -> float:
@@ -104,24 +125,45 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict) -> Profile:
+        """A profile from its JSON fields (:meth:`to_dict`); a missing or mistyped field is a ValueError."""
         try:
-            layers = tuple(LayerProfile(layer["name"], int(layer["nbytes"]), float(layer["backward_s"]),
-                                        FCShape(**layer["fc"]) if layer.get("fc") else None,
-                                        int(layer.get("tensors", 1)))
+            layers = tuple(LayerProfile(layer["name"], layer["nbytes"], layer["backward_s"],
+                                        FCShape(**layer["fc"]) if layer.get("fc") else None, layer.get("tensors", 1))
                            for layer in data["layers"])
-            return cls(layers, float(data["forward_s"]), float(data.get("other_s", 0.0)),
-                       tuple(tuple(bucket) for bucket in data.get("buckets", ())), int(data.get("element_size", 4)),
+            return cls(layers, data["forward_s"], data.get("other_s", 0.0),
+                       tuple(tuple(bucket) for bucket in data.get("buckets", ())), data.get("element_size", 4),
                        data.get("gemm_flops"), data.get("samples"), data.get("source", ""), data.get("link"),
                        data.get("traced_gbps"))
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"not a profile: {exc!r} (fields: layers [name, nbytes, backward_s, fc, tensors], forward_s, "
-                             "other_s, buckets, element_size, gemm_flops, samples)") from None
+        except KeyError as exc:
+            raise ValueError(f"not a profile: the field {exc} is missing ({PROFILE_FIELDS})") from None
+        except TypeError as exc:
+            raise ValueError(f"not a profile: {exc} ({PROFILE_FIELDS})") from None
+
+
+PROFILE_FIELDS = ("fields: layers [name, nbytes, backward_s, fc {m, n, k}, tensors], forward_s, other_s, buckets, "
+                  "element_size, gemm_flops, samples")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_time(name: str, value: object) -> None:
+    if not (_is_number(value) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"a profile's {name} is a time in seconds, finite and >= 0, got {value!r}")
 
 
 def load(path: PathLike) -> Profile:
     """A profile from a trace (``traceEvents``) or a profile JSON file (``layers``)."""
-    with open(path, encoding="utf-8") as stream:
-        document = json.load(stream)
+    try:
+        with open(path, encoding="utf-8") as stream:
+            document = json.load(stream)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
     if isinstance(document, dict) and "traceEvents" in document:
         return from_trace(path)
     if isinstance(document, dict) and "layers" in document:
@@ -136,7 +178,17 @@ def from_trace(path: PathLike) -> Profile:
         raise ValueError(f"{path}: the trace has no model layout (written by poseidon-torch before the simulator: "
                          "record it again)")
     layout = layouts[0]
-    ranks = load_spans(path)
+    if layout.get("forward_waits"):
+        raise ValueError(f"{path}: traced in a mode whose forward waits for the network (Pipe-SGD's delay, lazy_pull, "
+                         "or a ServerOptimizer with staleness), so its forward is not compute alone; trace the same "
+                         "model in the default mode (PoseidonDDP, or a ServerOptimizer without those options)")
+    try:
+        return _profile_of(path, layout, load_spans(path))
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: the trace's model layout is malformed ({exc!r})") from None
+
+
+def _profile_of(path: PathLike, layout: dict, ranks: dict[int, list[Span]]) -> Profile:
     backward = _median_by_name(ranks, "backward")
     if not backward:
         raise ValueError(f"{path}: the trace has no backward spans (record at least one synced iteration)")
@@ -149,8 +201,10 @@ def from_trace(path: PathLike) -> Profile:
                                 FCShape(**layer["fc"]) if layer["fc"] else None, layer["tensors"])
                    for layer in bucket["layers"]]
     forward = _median_per_iteration(ranks, "forward")
+    source = f"trace {path}" + (" (parameter-server run: the schemes send what the default mode sends)"
+                                if layout.get("server") else "")
     return Profile(tuple(layers), forward, _median_gap(ranks), tuple(buckets), layout["element_size"],
-                   layout["gemm_flops"], None, f"trace {path}", layout["link"], _wire_gbps(ranks))
+                   layout["gemm_flops"], None, source, layout["link"], _wire_gbps(ranks))
 
 
 def _wire_gbps(ranks: dict[int, list[Span]]) -> float | None:
