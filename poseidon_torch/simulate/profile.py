@@ -200,7 +200,7 @@ def _profile_of(path: PathLike, layout: dict, ranks: dict[int, list[Span]]) -> P
         layers += [LayerProfile(layer["name"], layer["bytes"], seconds * layer["bytes"] / total,
                                 FCShape(**layer["fc"]) if layer["fc"] else None, layer["tensors"])
                    for layer in bucket["layers"]]
-    forward = _median_per_iteration(ranks, "forward")
+    forward = _median_by_name(ranks, "forward", per_name=False).get(None, 0.0)
     source = f"trace {path}" + (" (parameter-server run: the schemes send what the default mode sends)"
                                 if layout.get("server") else "")
     return Profile(tuple(layers), forward, _median_gap(ranks), tuple(buckets), layout["element_size"],
@@ -215,26 +215,18 @@ def _wire_gbps(ranks: dict[int, list[Span]]) -> float | None:
     return sent * 8 / busy if sent and busy else None
 
 
-def _median_by_name(ranks: dict[int, list[Span]], kind: str) -> dict[str, float]:
-    """Per span name: the median over rank-iterations of its summed duration, in seconds."""
-    totals: dict[tuple[str, int, int], int] = defaultdict(int)
+def _median_by_name(ranks: dict[int, list[Span]], kind: str, per_name: bool = True) -> dict[str | None, float]:
+    """Per span name (``per_name``; else all names as one, under None): the median over rank-iterations
+    of the summed durations of ``kind`` spans, in seconds."""
+    totals: dict[tuple[str | None, int, int], int] = defaultdict(int)
     for rank, spans in ranks.items():
         for span in spans:
             if span.kind == kind:
-                totals[span.name, rank, span.iteration] += span.duration_ns
-    by_name: dict[str, list[int]] = defaultdict(list)
+                totals[span.name if per_name else None, rank, span.iteration] += span.duration_ns
+    by_name: dict[str | None, list[int]] = defaultdict(list)
     for (name, _, _), ns in totals.items():
         by_name[name].append(ns)
     return {name: statistics.median(values) / 1e9 for name, values in by_name.items()}
-
-
-def _median_per_iteration(ranks: dict[int, list[Span]], kind: str) -> float:
-    totals: dict[tuple[int, int], int] = defaultdict(int)
-    for rank, spans in ranks.items():
-        for span in spans:
-            if span.kind == kind:
-                totals[rank, span.iteration] += span.duration_ns
-    return statistics.median(totals.values()) / 1e9 if totals else 0.0
 
 
 def _median_gap(ranks: dict[int, list[Span]]) -> float:
