@@ -98,6 +98,10 @@ class BSP:
     value_source = None  #: the owners step from the live parameters
     waits_per_layer = True  #: the per-layer forward waits of lazy pulls apply
     lockstep = True  #: every rank takes part in every step's collectives (the facts, buffers, learning)
+    #: a policy that is not ``lockstep`` cannot learn buckets from a common step: its buckets are fused
+    #: once, in reverse registration order, up to this many bytes besides the largest layer (or the
+    #: engine's ``fusion_bytes`` when smaller)
+    fixed_fusion_bytes: int | None = None
 
     def server_for(self, facade, ps: PSPath, sfb: SFBPath, control: Collectives,
                    timeout: float) -> tuple[Server, ServerPath, SFBUpdatePath]:

@@ -575,7 +575,8 @@ class Engine:
         else:  # ranks on their own clocks cannot learn buckets together: fused once, as torch DDP's
             self.coordinator.only_ps()
             self._learned = True
-            self._install(build_buckets(group_layers(list(reversed(self.layers)), self.fusion_bytes, set()),
+            cap = min(self.fusion_bytes, self.consistency.fixed_fusion_bytes)
+            self._install(build_buckets(group_layers(list(reversed(self.layers)), cap, set()),
                                         self.staged, self._fc_of))
         for module in holders:
             self._server_hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))

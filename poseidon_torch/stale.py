@@ -66,6 +66,11 @@ class Stale(BSP):
     its bucket's values, which the owners send once the bound allows."""
 
     lockstep = False
+    #: measured (lm, 2 hosts, 1 Gbit/s, steps in 30 s, SSP s = 1 against BSP on the servers, two runs):
+    #: 4 MiB 176/199 and 186/201 (the whole 3.4 MB model one bucket: its push starts after backward and
+    #: the first layer's forward waits for all of it), 2 MiB 196/205, 1 MiB 197/200 and 194/196,
+    #: 256 KiB 184/187 (more messages)
+    fixed_fusion_bytes = 1 << 20
 
     def __init__(self, staleness: int | None, push_every: int = 1, fetch_every: int = 1) -> None:
         self.staleness, self.push_every, self.fetch_every = staleness, push_every, fetch_every

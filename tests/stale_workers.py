@@ -263,3 +263,21 @@ def traced_staleness(rank: int, world_size: int, trace_dir: str) -> dict:
     wrapped.close()
     spans = load_spans(f"{trace_dir}/trace_rank{rank}.json")[rank]
     return {"iterations": [span.args for span in spans if span.kind == "iteration"], "reported": reported}
+
+
+def stale_buckets(rank: int, world_size: int, fusion_bytes: int | None) -> dict:
+    """The sizes of the buckets SSP fuses for six 512 KiB layers (3 MiB), after two steps."""
+    model = nn.Sequential(*[nn.Linear(256, 512, bias=False) if i % 2 == 0 else nn.Linear(512, 256, bias=False)
+                            for i in range(6)])
+    wrapped = PoseidonDDP(model, timeout=30, hybrid=False, fusion_bytes=fusion_bytes)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.01, staleness=1)
+    engine = wrapped.engine
+    sizes = [sum(p.numel() * p.element_size() for p in bucket.params) for bucket in engine.buckets]
+    x = torch.randn(4, 256)
+    for _ in range(2):
+        wrapped(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.finish()
+    wrapped.close()
+    return {"sizes": sizes}

@@ -214,3 +214,14 @@ def test_the_tracer_records_each_iterations_clock_and_staleness(cluster, tmp_pat
         assert [it["clock"] for it in iterations] == list(range(1, 6)), iterations
         assert [it["staleness"] for it in iterations] == result["reported"][1:6], (rank, iterations)
     assert max(it["staleness"] for it in results[0]["iterations"]) == 1  # the fast rank ran ahead
+
+
+def test_ssp_fuses_buckets_small_enough_to_start_during_backward(cluster):
+    """Ranks on their own clocks fuse once, with no timings: up to 1 MiB besides the largest layer (a
+    4 MiB cap made this whole model one bucket, whose push could only start after backward), or the
+    user's smaller ``fusion_bytes``."""
+    layer = 256 * 512 * 4
+    default, = {tuple(r["sizes"]) for r in cluster.run(sw.stale_buckets, None, timeout=60)}
+    assert sum(default) == 6 * layer and len(default) >= 2 and max(default) <= layer + (1 << 20)
+    alone, = {tuple(r["sizes"]) for r in cluster.run(sw.stale_buckets, 0, timeout=60)}
+    assert alone == (layer,) * 6
