@@ -14,6 +14,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,7 @@ def test_a_persistent_straggler_computes_factor_times_slower(tmp_path: Path) -> 
     ("persistent:factor=2,rank=2", "rank must be in 0..1"), ("transient:p=2,delay=1ms", "probability"),
     ("transient:p=0.1,delay=fast", "delay must be"), ("slow-link:rate=slow", "bad rate"),
     ("transient:p=0.1,delay=1ms,color=red", "takes"), ("persistent:factor=nan", "factor must be"),
+    ("transient:p=0.1,delay=1ms,by=nap", "by must be one of sleep, load"), ("slow-link:rate=1mbit,by=load", "takes"),
     ("persistent:factor=inf", "factor must be"), ("slow-link:rate=0bit", "rate must be above 0"),
     ("persistent:factor=2,factor=3", "names a field twice"),
 ])
@@ -175,6 +177,16 @@ def test_transient_pauses_are_reproducible_and_as_frequent_as_asked() -> None:
     assert draws == [spec.pause_s(rank, step, 0.2) for rank in range(2) for step in range(5000)]
     assert set(draws) == {0.0, 0.1}  # half of the 0.2 s step
     assert abs(draws.count(0.1) / len(draws) - 0.1) < 0.01
+
+
+@pytest.mark.parametrize("by", ["sleep", "load"])
+def test_a_pause_lasts_as_asked_and_a_loaded_host_keeps_its_cpu(by: str) -> None:
+    spec = parse_straggler(f"transient:p=1,delay=0.2s,by={by}", 2)
+    wall, cpu = time.perf_counter(), time.process_time()
+    spec.wait_out(spec.pause_s(0, 0, 1.0))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert 0.2 <= wall < 0.4
+    assert (cpu > 0.1) if by == "load" else (cpu < 0.05)
 
 
 def test_the_target_counts_at_the_first_point_that_reaches_it() -> None:

@@ -3,12 +3,16 @@
 ``--straggler`` takes one of::
 
     none
-    persistent:factor=F[,rank=R]          host R (default: the last) computes F times slower
-    transient:p=P,delay=D[,seed=S]        each step, each host pauses with probability P for D
+    persistent:factor=F[,rank=R][,by=B]   host R (default: the last) computes F times slower
+    transient:p=P,delay=D[,seed=S][,by=B] each step, each host pauses with probability P for D
     slow-link:rate=RATE[,rank=R]          host R's link shaped at RATE both ways (netns mode only)
 
 A duration ``D`` is ``50ms`` / ``0.05s``, or a bare number: that fraction of the host's calibrated step
 compute time (``delay=0.5``: half an iteration, as the SSP paper's background-load stragglers).
+``by`` is how a host pauses: ``sleep`` (the default) or ``load``, busy with a background computation for
+the pause. On real hosts the two are the same for the others; on a machine with fewer cores than emulated
+hosts a sleeping host gives its CPU share to the others, who then finish their own steps sooner, which
+hides most of a pause from BSP; a loaded host keeps its share, as a host of its own would.
 
 Invariants:
 - A pause happens before the step's forward and is part of the timed step; a persistent straggler pauses
@@ -22,13 +26,16 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import torch
 
 from poseidon_torch.bench.netns import parse_rate
 
 KINDS = ("none", "persistent", "transient", "slow-link")
+PAUSES = ("sleep", "load")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s)?")
 
 
@@ -42,6 +49,7 @@ class Straggler:
     delay: str = "0"
     rate: str | None = None
     seed: int = 0
+    by: str = "sleep"
 
     @property
     def needs_calibration(self) -> bool:
@@ -56,6 +64,16 @@ class Straggler:
             draw = np.random.default_rng([self.seed, rank, step]).random()
             return self._delay_s(compute_s) if draw < self.probability else 0.0
         return 0.0
+
+    def wait_out(self, seconds: float) -> None:
+        """Pause for ``seconds``: asleep, or (``by=load``) computing a background load until then."""
+        if self.by == "sleep":
+            time.sleep(seconds)
+            return
+        deadline = time.perf_counter() + seconds
+        a, out = torch.ones(128, 128), torch.empty(128, 128)
+        while time.perf_counter() < deadline:
+            torch.mm(a, a, out=out)
 
     def host_rates(self) -> dict[int, str]:
         """Link rates that differ from the cluster's (the slow link)."""
@@ -78,7 +96,7 @@ def parse_straggler(text: str, hosts: int) -> Straggler:
     fields = dict(items)
     if len(fields) != len(items):
         raise ValueError(f"straggler {text!r} names a field twice")
-    allowed = {"none": set(), "persistent": {"factor", "rank"}, "transient": {"p", "delay", "seed"},
+    allowed = {"none": set(), "persistent": {"factor", "rank", "by"}, "transient": {"p", "delay", "seed", "by"},
                "slow-link": {"rate", "rank"}}[kind]
     required = {"none": set(), "persistent": {"factor"}, "transient": {"p", "delay"}, "slow-link": {"rate"}}[kind]
     if set(fields) - allowed or required - set(fields):
@@ -88,7 +106,8 @@ def parse_straggler(text: str, hosts: int) -> Straggler:
         rank = int(fields.get("rank", hosts - 1)) if kind in ("persistent", "slow-link") else None
         straggler = Straggler(kind, rank=rank,
                               factor=float(fields.get("factor", 1.0)), probability=float(fields.get("p", 0.0)),
-                              delay=fields.get("delay", "0"), rate=fields.get("rate"), seed=int(fields.get("seed", 0)))
+                              delay=fields.get("delay", "0"), rate=fields.get("rate"), seed=int(fields.get("seed", 0)),
+                              by=fields.get("by", "sleep"))
     except ValueError as exc:
         raise ValueError(f"bad straggler {text!r}: {exc}") from exc
     _check(straggler, hosts, text)
@@ -104,5 +123,7 @@ def _check(straggler: Straggler, hosts: int, text: str) -> None:
         raise ValueError(f"straggler {text!r}: p must be a probability in [0, 1]")
     if not _DURATION.fullmatch(straggler.delay):
         raise ValueError(f"straggler {text!r}: delay must be e.g. 50ms, 0.05s, or 0.5 (of a step's compute)")
+    if straggler.by not in PAUSES:
+        raise ValueError(f"straggler {text!r}: by must be one of {', '.join(PAUSES)}")
     if straggler.rate is not None and parse_rate(straggler.rate) <= 0:
         raise ValueError(f"straggler {text!r}: rate must be above 0")

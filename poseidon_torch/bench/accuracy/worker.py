@@ -173,7 +173,7 @@ def train(args: argparse.Namespace, task: Task, straggler: Straggler, store: dis
     while not stop.done(len(step_end_s)):
         x, y = next(data)
         pauses.append(straggler.pause_s(rank, len(step_end_s), compute_s))
-        time.sleep(pauses[-1])
+        straggler.wait_out(pauses[-1])
         optimizer.zero_grad(set_to_none=True)
         loss = task.loss_fn(model(x), y)
         loss.backward()
