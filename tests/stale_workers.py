@@ -266,7 +266,7 @@ def traced_staleness(rank: int, world_size: int, trace_dir: str) -> dict:
 
 
 def stale_buckets(rank: int, world_size: int, fusion_bytes: int | None) -> dict:
-    """The sizes of the buckets SSP fuses for six 512 KiB layers (3 MiB), after two steps."""
+    """The sizes of the buckets SSP fuses for six 512 KiB layers (3 MiB), which two steps then train on."""
     model = nn.Sequential(*[nn.Linear(256, 512, bias=False) if i % 2 == 0 else nn.Linear(512, 256, bias=False)
                             for i in range(6)])
     wrapped = PoseidonDDP(model, timeout=30, hybrid=False, fusion_bytes=fusion_bytes)

@@ -11,8 +11,7 @@ A duration ``D`` is ``50ms`` / ``0.05s``, or a bare number: that fraction of the
 compute time (``delay=0.5``: half an iteration, as the SSP paper's background-load stragglers).
 ``by`` is how a host pauses: ``sleep`` (the default) or ``load``, busy with a background computation for
 the pause. On real hosts the two are the same for the others; on a machine with fewer cores than emulated
-hosts a sleeping host gives its CPU share to the others, who then finish their own steps sooner, which
-hides most of a pause from BSP; a loaded host keeps its share, as a host of its own would.
+hosts a sleeping host gives its CPU share to the others, a loaded one keeps it, as a host of its own would.
 
 Invariants:
 - A pause happens before the step's forward and is part of the timed step; a persistent straggler pauses
