@@ -567,8 +567,17 @@ class Core {
       a.own.copy_(total.div_(world_size_));
       return;
     }
-    at::Tensor total = a.parts[0];  // rank 0's part: own, or a receive buffer this job may overwrite
-    for (size_t r = 1; r < a.parts.size(); ++r) total.add_(a.parts[r]);
+    // the sum starts with rank 0's part: own, or a receive buffer this job may overwrite; when own is
+    // rank 1's part, rank 0's + own goes straight into own (the same operands in the same order, one pass
+    // over the chunk fewer than summing into the buffer and copying back)
+    size_t next = 1;
+    at::Tensor total = a.parts[0];
+    if (a.parts.size() > 1 && a.parts[1].is_same(a.own)) {
+      at::add_out(a.own, a.parts[0], a.own);
+      total = a.own;
+      next = 2;
+    }
+    for (size_t r = next; r < a.parts.size(); ++r) total.add_(a.parts[r]);
     if (!total.is_same(a.own)) a.own.copy_(total);
     a.own.div_(world_size_);
   }

@@ -275,8 +275,12 @@ def _aggregate_into(own: torch.Tensor, parts: list[torch.Tensor], world_size: in
             total += part.float()
         own.copy_(total.div_(world_size))
         return
-    total = parts[0]  # rank 0's part: own, or a receive buffer this sync may overwrite
-    for part in parts[1:]:
+    # the sum starts with rank 0's part: own, or a receive buffer this sync may overwrite; when own is
+    # rank 1's part, rank 0's + own goes straight into own (same operands, same order, no copy back)
+    total, rest = parts[0], parts[1:]
+    if rest and rest[0] is own:
+        total, rest = torch.add(parts[0], own, out=own), rest[1:]
+    for part in rest:
         total += part
     if total is not own:
         own.copy_(total)
