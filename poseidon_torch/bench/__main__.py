@@ -46,7 +46,7 @@ import json
 import sys
 from pathlib import Path
 
-from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, free_port, fresh_dir, rank_env, \
+from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, add_placement_arguments, RankFailure, free_port, fresh_dir, rank_env, \
     run_placed, run_ranks, threads_per_rank, write_report
 from poseidon_torch.bench.netns import parse_delay, parse_rate
 from poseidon_torch.bench.worker import DEFAULT_MODES, MODES, POSEIDON_MODES
@@ -55,11 +55,7 @@ from poseidon_torch.bench.workloads import MAIN_WORKLOADS, WORKLOADS
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m poseidon_torch.bench",
                                      description="PoseidonDDP vs torch DDP on localhost or an emulated cluster.")
-    parser.add_argument("--mode", choices=("localhost", "netns"), default="localhost")
-    parser.add_argument("--hosts", type=int, default=2, help="ranks, one per (emulated) host")
-    parser.add_argument("--bandwidth", default="1gbit", help="link rate per host and direction, e.g. 1gbit, 10gbit")
-    parser.add_argument("--latency", help="one-way host-to-host delay (netns mode, needs sch_netem), e.g. 0.2ms")
-    parser.add_argument("--mtu", type=int, default=9000, help="link MTU in netns mode")
+    add_placement_arguments(parser)
     parser.add_argument("--workload", choices=(*sorted(WORKLOADS), "all"), default="fc_heavy")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
@@ -240,7 +236,8 @@ def config(args: argparse.Namespace, placement: Placement, workloads: list[str])
         "bandwidth_bps": args.bandwidth_bps, "bandwidth_enforced": placement.kind == "netns",
         "latency": args.latency, "latency_applied": placement.latency is not None,
         "mtu": args.mtu if placement.kind == "netns" else None,
-        "threads_per_rank": threads_per_rank(args.hosts), "iters": args.iters, "warmup": args.warmup,
+        "threads_per_rank": threads_per_rank(args.hosts), "cpus_per_host": placement.cpus_per_host,
+        "iters": args.iters, "warmup": args.warmup,
         "tiny": args.tiny, "workloads": workloads, "warnings": placement.warnings,
     }
 

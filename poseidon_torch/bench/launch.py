@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import faulthandler
+import math
 import os
 import shutil
 import signal
@@ -31,6 +33,7 @@ from typing import Callable, NoReturn
 
 import torch
 
+from poseidon_torch.bench.cpuquota import HostCpuQuota
 from poseidon_torch.bench.netns import HOST_IFACE, EmulatedCluster, NetnsUnavailable, signals_deferred
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +51,8 @@ class Placement:
     wrap: Callable[[int, list[str]], list[str]]
     latency: str | None = None
     warnings: list[str] = field(default_factory=list)
+    #: each host's CPU quota (:mod:`~poseidon_torch.bench.cpuquota`), None: hosts share the machine's cores
+    cpus_per_host: float | None = None
 
 
 class RankFailure(RuntimeError):
@@ -80,10 +85,41 @@ def localhost_placement() -> Placement:
     return Placement("localhost", "127.0.0.1", "lo", None, lambda _host, argv: argv)
 
 
+def _positive_cpus(text: str) -> float:
+    cpus = float(text)
+    if not (math.isfinite(cpus) and cpus > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of cores, got {text}")
+    return cpus
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the ranks run: localhost or an emulated cluster, its links, and each host's CPU."""
+    parser.add_argument("--mode", choices=("localhost", "netns"), default="localhost")
+    parser.add_argument("--hosts", type=int, default=2, help="ranks, one per (emulated) host")
+    parser.add_argument("--bandwidth", default="1gbit", help="link rate per host and direction, e.g. 1gbit, 10gbit")
+    parser.add_argument("--latency", help="one-way host-to-host delay (netns mode, needs sch_netem), e.g. 0.2ms")
+    parser.add_argument("--mtu", type=int, default=9000, help="link MTU in netns mode")
+    parser.add_argument("--cpus-per-host", type=_positive_cpus,
+                        help="cap each host's CPU at this many cores (a cgroup quota per host, needs root), so a "
+                             "paused host cannot lend its CPU to the others; e.g. 0.5 for 4 hosts on 2 cores")
+
+
 def open_placement(args: argparse.Namespace, stack: contextlib.ExitStack,
                    host_rates: dict[int, str] | None = None) -> Placement:
     """The emulated cluster in netns mode (entered on ``stack``; ``host_rates`` shape some hosts' links
-    to other rates than ``args.bandwidth``), else, or if it cannot be built, localhost."""
+    to other rates than ``args.bandwidth``), else, or if it cannot be built, localhost; with
+    ``args.cpus_per_host``, every host's command runs under its CPU quota (raises
+    :class:`~poseidon_torch.bench.cpuquota.CpuQuotaUnavailable` where it cannot)."""
+    placement = _open_network(args, stack, host_rates)
+    if args.cpus_per_host is None:
+        return placement
+    quota = stack.enter_context(HostCpuQuota(args.hosts, args.cpus_per_host))
+    return dataclasses.replace(placement, wrap=lambda host, argv: quota.command(host, placement.wrap(host, argv)),
+                               cpus_per_host=args.cpus_per_host)
+
+
+def _open_network(args: argparse.Namespace, stack: contextlib.ExitStack,
+                  host_rates: dict[int, str] | None) -> Placement:
     if args.mode == "netns":
         try:
             cluster = stack.enter_context(EmulatedCluster(args.hosts, args.bandwidth, args.latency, args.mtu,

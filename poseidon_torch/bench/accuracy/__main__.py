@@ -30,7 +30,7 @@ from pathlib import Path
 from poseidon_torch.bench.accuracy.report import add_derived, plot, table
 from poseidon_torch.bench.accuracy.stragglers import parse_straggler
 from poseidon_torch.bench.accuracy.tasks import TASKS
-from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, free_port, rank_env, run_placed, \
+from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, add_placement_arguments, RankFailure, free_port, rank_env, run_placed, \
     run_ranks, threads_per_rank, write_report
 from poseidon_torch.bench.netns import parse_delay, parse_rate
 from poseidon_torch.bench.worker import MODES
@@ -42,11 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m poseidon_torch.bench.accuracy",
                                      description="Time to accuracy on real data, every mode side by side.")
     parser.add_argument("--task", choices=sorted(TASKS), default="lm")
-    parser.add_argument("--mode", choices=("localhost", "netns"), default="localhost")
-    parser.add_argument("--hosts", type=int, default=2)
-    parser.add_argument("--bandwidth", default="1gbit", help="link rate per host (netns mode)")
-    parser.add_argument("--latency", help="one-way host-to-host delay (netns mode), e.g. 0.2ms")
-    parser.add_argument("--mtu", type=int, default=9000)
+    add_placement_arguments(parser)
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--steps", type=int, help="steps per mode (with --time-budget: at most)")
     parser.add_argument("--time-budget", type=float, help="training seconds per mode (rank 0's clock)")
@@ -136,7 +132,8 @@ def config(args: argparse.Namespace, placement: Placement) -> dict:
             "link": args.bandwidth if enforced else "localhost", "latency": placement.latency,
             "straggler": args.straggler, "straggler_spec": args.straggler_spec.describe(), "steps": args.steps,
             "time_budget_s": args.time_budget, "eval_every": args.eval_every, "tiny": args.tiny,
-            "threads_per_rank": threads_per_rank(args.hosts), "warnings": placement.warnings}
+            "threads_per_rank": threads_per_rank(args.hosts), "cpus_per_host": placement.cpus_per_host,
+            "warnings": placement.warnings}
 
 
 def run_all(args: argparse.Namespace, placement: Placement) -> dict:
