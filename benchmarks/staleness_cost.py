@@ -74,6 +74,9 @@ def train(task: Task, run: Run, ranks: int, steps: int, every: int) -> list[tupl
             for p, value in zip(probe.parameters(), history[0]):
                 p.copy_(value)
         grads = [gradients(task, probe, order, step, rank, ranks) for rank in range(ranks)]
+        with torch.no_grad():  # running statistics (BatchNorm) follow the forwards, as every rank's would
+            for buffer, probed in zip(model.buffers(), probe.buffers()):
+                buffer.copy_(probed)
         pushes = [[sum(parts) / ranks for parts in zip(*grads)]] if run.rule == "bsp" else \
             [[g / ranks for g in rank_grads] for rank_grads in grads]
         for push in pushes:
