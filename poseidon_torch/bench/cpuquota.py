@@ -9,7 +9,8 @@ a paused host's share stays idle, as a real host's cores do.
 
 Invariants:
 - only cgroups named with the prefix (``ptb-`` by default) are created, entered or removed, directly under
-  the cpu controller's root (cgroup v1 ``cpu.cfs_quota_us``, or v2 ``cpu.max``);
+  the cpu controller's root (cgroup v1 ``cpu.cfs_quota_us``, tested; or v2 ``cpu.max``, which needs the
+  controller enabled for the root's children and is not tested here: this machine mounts v1);
 - a command joins its host's cgroup before it execs, so every thread and child it starts is in it;
 - :class:`HostCpuQuota` is a context manager: on exit it kills what still runs in its cgroups and removes
   them; stale ones left by a crashed run are removed the same way on entry;
@@ -22,6 +23,8 @@ import os
 import signal
 import time
 from pathlib import Path
+
+from poseidon_torch.bench.scoped import Scoped
 
 PREFIX = "ptb-"
 #: a short CFS period: a host throttled within it stalls at most this long at a time
@@ -64,7 +67,7 @@ def _kill_and_remove(group: Path) -> None:
     raise RuntimeError(f"cgroup {group} still busy after its processes were killed")
 
 
-class HostCpuQuota:
+class HostCpuQuota(Scoped):
     """``hosts`` cgroups of ``cpus`` CPUs each; ``command(host, argv)`` runs ``argv`` in host's cgroup."""
 
     def __init__(self, hosts: int, cpus: float, prefix: str = PREFIX) -> None:
@@ -82,19 +85,11 @@ class HostCpuQuota:
         """``argv`` after the shell that runs it has joined ``host``'s cgroup (``exec``: same pid)."""
         return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.group(host) / "cgroup.procs"), *argv]
 
-    def __enter__(self) -> "HostCpuQuota":
+    def _build(self) -> None:
         for stale in self.root.glob(f"{self.prefix}*"):
             _kill_and_remove(stale)
-        try:
-            for host in range(self.hosts):
-                self._add(self.group(host))
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        for host in range(self.hosts):
+            self._add(self.group(host))
 
     def close(self) -> None:
         """Kill what still runs in the cgroups and remove them (idempotent)."""

@@ -38,6 +38,8 @@ import subprocess
 import time
 from typing import Iterator
 
+from poseidon_torch.bench.scoped import Scoped
+
 PREFIX = "ptb-"
 SUBNET = "10.213.0"
 HOST_IFACE = "veth0"
@@ -133,7 +135,7 @@ def tbf_args(rate_bps: int) -> list[str]:
     return ["tbf", "rate", str(rate_bps), "burst", str(burst), "limit", str(limit)]
 
 
-class EmulatedCluster:
+class EmulatedCluster(Scoped):
     """``hosts`` namespaces joined by a shaped bridge; use as ``with EmulatedCluster(2, "1gbit") as c: ...``."""
 
     def __init__(self, hosts: int, rate: str, delay: str | None = None, mtu: int = 9000,
@@ -161,21 +163,13 @@ class EmulatedCluster:
         """``argv`` run inside ``host``'s namespace (``ip netns exec`` execs, so the pid is the command's)."""
         return ["ip", "netns", "exec", self.namespace(host), *argv]
 
-    def __enter__(self) -> "EmulatedCluster":
+    def _build(self) -> None:
         cleanup_stale(self.prefix)
-        try:
-            self._add_namespace(self.switch)
-            _ip("-n", self.switch, "link", "add", BRIDGE, "type", "bridge")
-            _ip("-n", self.switch, "link", "set", BRIDGE, "up")
-            for host in range(self.hosts):
-                self._add_host(host)
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        self._add_namespace(self.switch)
+        _ip("-n", self.switch, "link", "add", BRIDGE, "type", "bridge")
+        _ip("-n", self.switch, "link", "set", BRIDGE, "up")
+        for host in range(self.hosts):
+            self._add_host(host)
 
     def close(self) -> None:
         """Delete every namespace this cluster created (idempotent)."""
