@@ -46,8 +46,8 @@ import json
 import sys
 from pathlib import Path
 
-from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, add_placement_arguments, RankFailure, free_port, fresh_dir, rank_env, \
-    run_placed, run_ranks, threads_per_rank, write_report
+from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, add_placement_arguments, free_port, \
+    fresh_dir, rank_env, run_placed, run_ranks, threads_per_rank, write_report
 from poseidon_torch.bench.netns import parse_delay, parse_rate
 from poseidon_torch.bench.worker import DEFAULT_MODES, MODES, POSEIDON_MODES
 from poseidon_torch.bench.workloads import MAIN_WORKLOADS, WORKLOADS

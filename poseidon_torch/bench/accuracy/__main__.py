@@ -30,8 +30,8 @@ from pathlib import Path
 from poseidon_torch.bench.accuracy.report import add_derived, plot, table
 from poseidon_torch.bench.accuracy.stragglers import parse_straggler
 from poseidon_torch.bench.accuracy.tasks import TASKS
-from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, add_placement_arguments, RankFailure, free_port, rank_env, run_placed, \
-    run_ranks, threads_per_rank, write_report
+from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, add_placement_arguments, free_port, \
+    rank_env, run_placed, run_ranks, threads_per_rank, write_report
 from poseidon_torch.bench.netns import parse_delay, parse_rate
 from poseidon_torch.bench.worker import MODES
 
