@@ -6,9 +6,10 @@ the benchmark would read, and the task's own optimizer.
 - ``push``: the parameter-server update rule of SSP and async (one optimizer step per rank's push, its
   gradient divided by P, at lr / P for an adaptive optimizer: the README's recommendation), every
   gradient computed at the newest parameters: what the update rule alone costs;
-- ``push`` with ``--delay d``: the same, every gradient computed at the parameters of d clocks before
-  (what a rank that reads values d clocks stale computes): what staleness costs on top;
-- ``--lr-scale`` and ``--beta1`` change the optimizer's learning rate and first-moment decay (AdamW).
+- ``push:delay=d`` (or ``bsp:delay=d``, Pipe-SGD's k): every gradient computed at the parameters of d
+  clocks before (what a rank that reads values d clocks stale computes): what staleness costs on top;
+- ``lr_scale=x`` and ``beta1=b`` (comma-separated after the colon) scale the learning rate and set the
+  first-moment decay (AdamW), e.g. ``push:delay=1,lr_scale=0.5,beta1=0``.
 
     python benchmarks/staleness_cost.py --task lm --ranks 4 --steps 300 \
         --runs bsp push push:delay=1 push:delay=1,lr_scale=0.5 bsp:lr_scale=0.5
@@ -52,7 +53,8 @@ def make_optimizer(task: Task, params, run: Run, ranks: int) -> torch.optim.Opti
     return cls(params, **kwargs)
 
 
-def gradients(task: Task, probe: nn.Module, order: torch.Tensor, step: int, rank: int, ranks: int) -> list[torch.Tensor]:
+def gradients(task: Task, probe: nn.Module, order: torch.Tensor, step: int, rank: int,
+              ranks: int) -> list[torch.Tensor]:
     """Rank ``rank``'s gradient at clock ``step``, on its own batch (consecutive blocks of a fixed permutation)."""
     start = ((step * ranks + rank) * task.batch_size) % (len(order) - task.batch_size)
     inputs, targets = zip(*(task.train_set[int(i)] for i in order[start:start + task.batch_size]))
