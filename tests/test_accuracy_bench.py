@@ -22,6 +22,7 @@ import pytest
 
 from poseidon_torch.bench.accuracy.report import divergence_from, time_to, value_at
 from poseidon_torch.bench.accuracy.stragglers import Straggler, parse_straggler
+from poseidon_torch.bench.launch import RankFailure, run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BSP_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-server-lazy")
@@ -156,6 +157,18 @@ def test_a_rank_past_its_timeout_is_named_as_such(tmp_path: Path) -> None:
                                 "--modes", "torch-ddp")
     assert done.returncode == 1
     assert "ran past its --timeout" in report["modes"]["torch-ddp"]["error"], report["modes"]["torch-ddp"]["error"]
+
+
+def test_a_timed_out_rank_is_blamed_not_the_peer_that_lost_it(tmp_path: Path) -> None:
+    """The peer of a rank killed by its watchdog fails at once with a lost connection and may be polled
+    first (the lower rank): the report must still name the rank whose watchdog fired."""
+    logs = [tmp_path / "r0.log", tmp_path / "r1.log"]
+    commands = [["sh", "-c", "sleep 0.2; echo 'RuntimeError: Connection closed by peer'; exit 1"],
+                ["sh", "-c", "sleep 0.4; echo 'Timeout (0:00:03)!'; echo 'File \"<frozen runpy>\"'; exit 1"]]
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(commands, [dict(os.environ)] * 2, logs, timeout=30)
+    assert str(failure.value).startswith("rank 1 exited with status 1: Timeout (0:00:03)!"), str(failure.value)
+    assert "ran past its --timeout" in str(failure.value)
 
 
 def test_the_default_target_of_a_run_shorter_than_the_grid_is_its_final_point(tmp_path: Path) -> None:

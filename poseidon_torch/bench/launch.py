@@ -39,6 +39,8 @@ from poseidon_torch.bench.netns import HOST_IFACE, EmulatedCluster, NetnsUnavail
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_GRACE_S = 60.0
 STOP_GRACE_S = 3.0
+#: after a rank fails, how long its peers may take to fail too before the culprit is chosen
+FAILURE_SETTLE_S = 1.0
 
 
 @dataclass
@@ -158,14 +160,30 @@ def _log_tail(log: Path, lines: int = 15) -> str:
     return "\n".join(_log_text(log).splitlines()[-lines:])
 
 
+def _watchdog_line(log: Path) -> str | None:
+    """The watchdog's ``Timeout (h:mm:ss)!`` line, if it fired in this rank."""
+    return next((line.strip() for line in _log_text(log).splitlines() if line.startswith("Timeout (")), None)
+
+
 def _reason(log: Path) -> str:
-    """Why a rank failed, from its log: the watchdog's ``Timeout (h:mm:ss)!`` line if it fired (the
-    stack dump after it ends in runpy's frames), else the last non-empty line."""
-    lines = [line.strip() for line in _log_text(log).splitlines() if line.strip()]
-    timeout = next((line for line in lines if line.startswith("Timeout (")), None)
+    """Why a rank failed, from its log: the watchdog's line if it fired (the stack dump after it ends in
+    runpy's frames), else the last non-empty line."""
+    timeout = _watchdog_line(log)
     if timeout:
         return f"{timeout} the rank ran past its --timeout"
+    lines = [line.strip() for line in _log_text(log).splitlines() if line.strip()]
     return lines[-1] if lines else "(no output)"
+
+
+def _culprit(procs: list[subprocess.Popen], logs: list[Path]) -> int:
+    """The rank to blame once some rank failed: its peers usually fail a moment later with a lost
+    connection, and may be polled first, so wait briefly for them and prefer a rank whose own watchdog
+    fired; else the lowest failed rank."""
+    deadline = time.monotonic() + FAILURE_SETTLE_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    failed = [rank for rank, p in enumerate(procs) if p.poll() not in (None, 0)]
+    return next((rank for rank in failed if _watchdog_line(logs[rank])), failed[0])
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -194,10 +212,10 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float,
         if on_poll:
             on_poll()
         codes = [p.poll() for p in procs]
-        for rank, code in enumerate(codes):
-            if code not in (None, 0):
-                raise RankFailure(f"rank {rank} exited with status {code}: {_reason(logs[rank])}",
-                                  _log_tail(logs[rank]))
+        if any(code not in (None, 0) for code in codes):
+            rank = _culprit(procs, logs)
+            raise RankFailure(f"rank {rank} exited with status {procs[rank].returncode}: {_reason(logs[rank])}",
+                              _log_tail(logs[rank]))
         if all(code == 0 for code in codes):
             return
         if time.monotonic() > deadline:
