@@ -8,8 +8,9 @@ the benchmark would read, and the task's own optimizer.
   gradient computed at the newest parameters: what the update rule alone costs;
 - ``push:delay=d`` (or ``bsp:delay=d``, Pipe-SGD's k): every gradient computed at the parameters of d
   clocks before (what a rank that reads values d clocks stale computes): what staleness costs on top;
-- ``lr_scale=x`` and ``beta1=b`` (comma-separated after the colon) scale the learning rate and set the
-  first-moment decay (AdamW), e.g. ``push:delay=1,lr_scale=0.5,beta1=0``.
+- ``lr_scale=x``, ``beta1=b`` and ``warmup=n`` (comma-separated after the colon) scale the learning rate,
+  set the first-moment decay (AdamW) and warm the learning rate up linearly over the first n clocks,
+  e.g. ``push:delay=1,lr_scale=0.5,beta1=0`` or ``bsp:warmup=100``.
 
     python benchmarks/staleness_cost.py --task lm --ranks 4 --steps 300 \
         --runs bsp push push:delay=1 push:delay=1,lr_scale=0.5 bsp:lr_scale=0.5
@@ -34,15 +35,17 @@ class Run:
     delay: int = 0
     lr_scale: float = 1.0
     beta1: float | None = None
+    warmup: int = 0  #: clocks of linear learning-rate warm-up
 
     @classmethod
     def parse(cls, text: str) -> "Run":
         rule, _, options = text.partition(":")
         if rule not in ("bsp", "push"):
-            raise argparse.ArgumentTypeError(f"a run is bsp or push[:delay=D,lr_scale=X,beta1=B], got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"a run is bsp or push[:delay=D,lr_scale=X,beta1=B,warmup=N], got {text!r}")
         kwargs = dict(option.split("=", 1) for option in options.split(",") if option)
         return cls(rule, int(kwargs.get("delay", 0)), float(kwargs.get("lr_scale", 1.0)),
-                   float(kwargs["beta1"]) if "beta1" in kwargs else None)
+                   float(kwargs["beta1"]) if "beta1" in kwargs else None, int(kwargs.get("warmup", 0)))
 
 
 def make_optimizer(task: Task, params, run: Run, ranks: int) -> torch.optim.Optimizer:
@@ -67,6 +70,7 @@ def train(task: Task, run: Run, ranks: int, steps: int, every: int) -> list[tupl
     model = task.build_model()
     probe = task.build_model()  # computes the gradients, at the parameters of ``run.delay`` clocks before
     optimizer = make_optimizer(task, model.parameters(), run, ranks)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda clock: min(1.0, (clock + 1) / max(run.warmup, 1)))
     order = torch.randperm(len(task.train_set), generator=torch.Generator().manual_seed(0))
     history: list[list[torch.Tensor]] = []
     curve = []
@@ -85,6 +89,7 @@ def train(task: Task, run: Run, ranks: int, steps: int, every: int) -> list[tupl
             for p, g in zip(model.parameters(), push):
                 p.grad = g
             optimizer.step()
+        warmup.step()  # once per clock: the push rule's P steps of a clock share its rate
         if (step + 1) % every == 0:
             curve.append((step + 1, task.evaluate(model)[task.metric]))
     return curve
