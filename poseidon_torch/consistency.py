@@ -125,6 +125,10 @@ class BSP:
     def forget_values(self) -> None:
         pass
 
+    def diagnosis(self) -> str:
+        """What this policy knows of why a wait for the sync jobs timed out ("" when nothing)."""
+        return ""
+
     def flush(self) -> None:
         pass
 

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .barrier import SyncError
+from .barrier import SyncError, SyncTimeout
 from .consistency import BSP, Delayed, DelayedValues, GradWriter, LiveGrads
 from .bucket import Bucket, JobCost, Layer, build_buckets, find_layers, group_layers, readiness_order
 from .coordinator import PS, SFB, Coordinator, PassFacts
@@ -461,15 +461,19 @@ class Engine:
         raise_outcome(*self.core.wait(self.timeout))
 
     def _guarded(self, p: Pass, wait) -> None:
-        """Run ``wait``; a SyncError ends this engine (collectives may be half issued) and the pass."""
+        """Run ``wait``; a SyncError ends this engine (collectives may be half issued) and the pass. A
+        timeout says what the consistency policy knows of the peers it waited for."""
         try:
             wait()
         except SyncError as exc:
-            self.failure = exc
+            hint = self.consistency.diagnosis() if isinstance(exc, SyncTimeout) else ""
+            self.failure = SyncTimeout(f"{exc}; {hint}") if hint else exc
             with self._lock:
                 if self._pass is p:
                     self._pass = None
-            raise
+            if self.failure is exc:
+                raise
+            raise self.failure from exc
 
     def _close(self, p: Pass, facts: PassFacts, grads: GradWriter) -> None:
         """After the barrier: the averages into ``grads``, device ordering, late gradients, learning,
@@ -547,9 +551,10 @@ class Engine:
             raise RuntimeError("this PoseidonDDP already has a ServerOptimizer")
         described = self._control.all_gather_objects(facade.describe())
         for rank, other in enumerate(described):
-            if other != described[0]:
-                raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank} (class, lazy_pull, "
-                                 f"max_grad_norm, delay, param groups or hyperparameters): {described[0]} vs {other}")
+            differing = "; ".join(f"{key}: {value!r} vs {other[key]!r}" for key, value in described[0].items()
+                                  if other[key] != value)
+            if differing:
+                raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank}: {differing}")
         self.settle()
         self.consistency = facade.consistency_policy() or self.consistency
         self._ps.aligned = facade.aligned
@@ -628,8 +633,8 @@ class Engine:
             for name, p in zip(bucket.param_names, bucket.params):
                 if p._version != deferred.versions[id(p)]:
                     error = SyncError(f"parameter {name!r} was written after backward() while its new value was still "
-                                      "pending (ServerOptimizer with lazy_pull=True): call model.synchronize() before "
-                                      "writing parameters between steps")
+                                      "pending (a ServerOptimizer with lazy_pull=True or staleness lands it at the next "
+                                      "forward): call model.synchronize() before writing parameters between steps")
                     self.failure = error
                     raise error
         if self._streams is not None:

@@ -188,13 +188,14 @@ class ServerOptimizer(torch.optim.Optimizer):
                                       "shards are planned over the model's parameters once; construct it with all groups")
         super().add_param_group(param_group)
 
-    def describe(self) -> tuple:
-        """What every rank must agree on (checked across ranks when the model attaches this)."""
+    def describe(self) -> dict[str, object]:
+        """What every rank must agree on, by name (checked across ranks when the model attaches this)."""
         groups = [(repr(sorted(hyperparameters(g).items())), [self.key_of[id(p)] for p in g["params"]])
                   for g in self.param_groups]
         name = f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}"
-        return (name, self.lazy_pull, self.max_grad_norm, self.delay, self.staleness, self.push_every, self.fetch_every,
-                groups)
+        return {"class": name, "lazy_pull": self.lazy_pull, "max_grad_norm": self.max_grad_norm, "delay": self.delay,
+                "staleness": self.staleness, "push_every": self.push_every, "fetch_every": self.fetch_every,
+                "param groups (hyperparameters, parameters)": groups}
 
     def consistency_policy(self) -> BSP | None:
         """The consistency policy this optimizer asks of the engine (None: the engine's own, BSP)."""

@@ -90,6 +90,8 @@ class Stale(BSP):
         """The answered values into the parameters, in a pass that fetched them (``fetch_every``)."""
         if self.server is None or self.server.fetching:
             super().take_values(bucket)
+            if self.server is not None:
+                self.server.own_versions([bucket])
 
     def forget_values(self) -> None:
         if self.server is not None:
@@ -98,6 +100,9 @@ class Stale(BSP):
     def before_forward(self) -> None:
         if self.server is not None and torch.is_grad_enabled():
             self.server.refuse_if_loaded()
+
+    def diagnosis(self) -> str:
+        return "" if self.server is None else self.server.diagnosis()
 
     def trace_args(self) -> dict:
         return {"clock": self.server.clock, "staleness": self.server.pass_staleness()}
@@ -151,6 +156,12 @@ class StaleServer:
         self.pushing = self.fetching = True  #: the open pass pushes / takes new values
         self._summed: dict[int, Tensor] = {}  #: id(bucket) -> gradients summed since its last push
         self.parameters_loaded = False  #: the parameters were loaded: the owners take them at finish()
+        #: id(parameter) -> its version after this mode last wrote or took it: another version means the
+        #: user wrote it in place (an edit the owners would silently overwrite)
+        self._versions: dict[int, int] = {}
+        #: id(bucket) of the buckets whose values this rank's open pass still has to land (an edit of
+        #: those is the engine's to refuse, when they land)
+        self._landing: set[int] = set()
         self.failure: SyncError | None = None
         self.shards: dict[int, BucketShard] = {}
         self._cond = threading.Condition()
@@ -165,10 +176,11 @@ class StaleServer:
         self._log = _PassLog()
         self._buckets: list[Bucket] = []
         self._loaded = False
-        self._threads = [threading.Thread(target=self._serve, args=(backend,), daemon=True,
+        self._threads = [threading.Thread(target=self._serve, args=(backend, senders), daemon=True,
                                           name=f"poseidon-stale-{name}")
-                         for name, backend, peers in (("up", self.up, self.rank > 0),
-                                                      ("down", self.down, self.rank < self.size - 1)) if peers]
+                         for name, backend, senders in (("up", self.up, list(range(self.rank))),
+                                                        ("down", self.down, list(range(self.rank + 1, self.size))))
+                         if senders]
         for thread in self._threads:
             thread.start()
 
@@ -195,11 +207,30 @@ class StaleServer:
         self.control.barrier()  # every owner ready before any rank pushes (installs are collective)
 
     def refuse_if_loaded(self) -> None:
-        """A forward that may train must not run on loaded parameters the owners have not taken yet."""
+        """A forward that may train must not run on loaded or edited parameters the owners have not taken
+        yet (the owners' values would silently replace them)."""
+        edited = self.edited()
+        if edited:
+            self.parameters_loaded = True
+            raise RuntimeError(f"parameter {edited[0]!r} was written in place while the ServerOptimizer runs with "
+                               "staleness (the owners hold the values and would overwrite it): call opt.finish() on "
+                               "every rank after writing parameters, so the servers take the written values")
         if self.parameters_loaded:
             raise RuntimeError("the parameters were loaded while the ServerOptimizer runs with staleness: call "
                                "opt.finish() (or opt.load_state_dict) on every rank before training on, so the "
                                "servers take the loaded values")
+
+    def own_versions(self, buckets: list[Bucket]) -> None:
+        """This mode wrote (or took) the parameters of ``buckets``: their present versions are its own."""
+        for bucket in buckets:
+            self._versions.update((id(p), p._version) for p in bucket.params)
+            self._landing.discard(id(bucket))
+
+    def edited(self) -> list[str]:
+        """The names of the parameters written since this mode last wrote or took them (of the buckets
+        whose values have landed)."""
+        return [name for bucket in self._buckets if id(bucket) not in self._landing
+                for name, p in zip(bucket.param_names, bucket.params) if self._versions.get(id(p)) != p._version]
 
     def begin_pass(self) -> None:
         self._reassure_the_finished()
@@ -207,6 +238,8 @@ class StaleServer:
         self.pushing = (self.clock + 1) % self.push_every == 0
         self.fetching = (self.clock + 1) % self.fetch_every == 0
         self.pushes += self.pushing
+        if self.fetching:
+            self._landing = {id(bucket) for bucket in self._buckets}
         # without a fetch the next forward reads the same values as this one: one clock staler
         self._log = _PassLog() if self.fetching else _PassLog(self._log.staleness + 1)
         self.facade.forget_consolidated()  # this pass's pushes change the state
@@ -384,6 +417,13 @@ class StaleServer:
         return (f"staleness={self.bound}: rank {self.rank} waited {self.timeout:.0f}s at clock {clock} for the values of "
                 f"rank {owner}'s chunks{who}: a dead or stalled peer{why}")
 
+    def diagnosis(self) -> str:
+        """The ranks that hold this rank's open clock back at the chunks it owns ("" if none, or without
+        a bound)."""
+        behind = self._behind(self.clock) if self.bound is not None else []
+        return (f"staleness={self.bound}: rank(s) {behind} never pushed clock {self.clock - self.bound} to rank "
+                f"{self.rank}'s chunks: dead or stalled" if behind else "")
+
     def _behind(self, clock: int) -> list[int]:
         with self._cond:
             needed = clock + 1 - (self.bound or 0)
@@ -392,8 +432,9 @@ class StaleServer:
 
     # ---- the owner's side --------------------------------------------------------------------------
 
-    def _serve(self, backend: Backend) -> None:
-        """Receive from any source: pushes (applied at once), fetches, DONE notices, STOP."""
+    def _serve(self, backend: Backend, senders: list[int]) -> None:
+        """Receive from any source (``senders``, the ranks on ``backend``'s side): pushes (applied at once),
+        fetches, DONE notices, STOP."""
         header = torch.empty(5, dtype=torch.int64)
         try:
             while True:
@@ -424,7 +465,8 @@ class StaleServer:
                 self._send_replies(self._apply(cid, source, number, clock, payload, bool(answer)))
         except Exception as exc:  # noqa: BLE001 - any failure ends the mode with a clear error
             with self._cond:
-                self.failure = SyncError(f"the parameter-server thread of rank {self.rank} failed: {exc!r}")
+                self.failure = SyncError(f"the parameter-server thread of rank {self.rank}, which receives from rank(s) "
+                                         f"{senders}, failed (a peer that dies or leaves closes its connection): {exc!r}")
                 self._cond.notify_all()
 
     def _apply(self, cid: int, source: int, number: int, clock: int, payload: Tensor, answer: bool) -> list[_Reply]:
@@ -532,7 +574,7 @@ class StaleServer:
     def _settle(self) -> None:
         """Collective: every rank's parameters the owners' values (or, after a load, the other way round);
         the clocks start again."""
-        loaded = torch.tensor([float(self.parameters_loaded)])
+        loaded = torch.tensor([float(self.parameters_loaded or bool(self.edited()))])
         self.control.all_reduce(loaded, dist.ReduceOp.MAX)  # one rank loaded: the same collective everywhere
         if loaded.item():
             self._take_parameters()
@@ -583,6 +625,7 @@ class StaleServer:
                 for piece in shard.pieces:
                     piece.tensor.copy_(piece.live())
         self.parameters_loaded = False
+        self.own_versions(self._buckets)
 
     def _give_parameters(self) -> None:
         """Every rank's parameters become the owners' values (each element is owned by one rank: a sum
@@ -597,6 +640,7 @@ class StaleServer:
             with torch.no_grad():
                 for p, value in bucket.views(values):
                     p.copy_(value)
+            self.own_versions([bucket])
 
     def pass_staleness(self) -> int:
         """The most clocks of the slowest rank missing from the values this rank's last pass read."""

@@ -102,12 +102,15 @@ def least_squares(rank: int, world_size: int, staleness: int | None, steps: int,
     return {"relative_error": error, "weight": model.weight.detach().clone()}
 
 
-def dies_or_raises(rank: int, world_size: int, staleness: int | None, how: str, **downpour: int) -> dict:
+def dies_or_raises(rank: int, world_size: int, staleness: int | None, how: str, chunk_bytes: int | None = 64,
+                   pause_s: float = 0.05, timeout: float = 5, **downpour: int) -> dict:
     """Rank 1 exits (``how`` = "exit") or raises out of its training loop (``how`` = "raise") at step
-    3; the other ranks must end with a SyncError that names the cause within the timeout."""
+    3; the other ranks must end with a SyncError that names the cause within the timeout. 64-byte
+    chunks: every rank owns some; None: the default 2 MB ones, so rank 0 owns the one chunk."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
-    wrapped = PoseidonDDP(model, timeout=5, hybrid=False, chunk_bytes=64)  # every rank owns chunks
+    options = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+    wrapped = PoseidonDDP(model, timeout=timeout, hybrid=False, **options)
     opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.01, staleness=staleness, **downpour)
     start = None
     try:
@@ -121,7 +124,7 @@ def dies_or_raises(rank: int, world_size: int, staleness: int | None, how: str, 
             wrapped(torch.randn(4, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
-            time.sleep(0.05)
+            time.sleep(pause_s)
         opt.finish()
     except SyncError as exc:
         return {"error": str(exc), "elapsed": time.monotonic() - (start or time.monotonic())}
@@ -200,6 +203,35 @@ def loaded_without_finish(rank: int, world_size: int) -> str:
     return message
 
 
+def edited_in_place(rank: int, world_size: int, when: str) -> dict:
+    """Every rank writes a parameter in place (before the first step, or after ``synchronize()`` or
+    ``finish()``), then tries to train on; then ``finish()`` and two steps at lr 0: the written value
+    must be what every rank holds at the end."""
+    model = nn.Linear(3, 1)
+    wrapped = PoseidonDDP(model, timeout=30, hybrid=False)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.0, staleness=1)
+    x = torch.randn(2, 3)
+    if when != "before-first-step":
+        wrapped(x).sum().backward()
+        opt.step()
+        opt.finish() if when == "after-finish" else wrapped.synchronize()
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    try:
+        wrapped(x).sum().backward()
+        message = "trained on"
+    except RuntimeError as exc:
+        message = str(exc)
+    opt.finish()
+    for _ in range(2):
+        wrapped(x).sum().backward()
+        opt.step()
+    opt.finish()
+    weight = model.weight.detach().clone()
+    wrapped.close()
+    return {"message": message, "weight": weight}
+
+
 def same_as_default(rank: int, world_size: int) -> dict:
     """Three steps of AdamW: ``staleness=0`` passed, the argument left out, and torch DDP with a plain
     AdamW, from the same weights on the same data; and the policy the engine ran."""
@@ -232,7 +264,7 @@ def refusals(rank: int, world_size: int) -> list[str]:
     for kwargs in ({"staleness": 1, "delay": 1}, {"staleness": None, "max_grad_norm": 1.0},
                    {"staleness": 2, "lazy_pull": True}, {"staleness": -1}, {"staleness": 1.5},
                    {"staleness": 1, "push_every": 2}, {"staleness": None, "fetch_every": 0},
-                   {"staleness": None, "push_every": True}):
+                   {"staleness": None, "push_every": True}, {"staleness": 1 + rank}):
         wrapped = PoseidonDDP(model, timeout=30)
         try:
             ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, **kwargs)

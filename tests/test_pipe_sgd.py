@@ -129,7 +129,7 @@ def test_no_sync_accumulation_is_one_delayed_step(cluster, force):
     ("negative", "delay must be an int >= 0"), ("bool", "delay must be an int >= 0"),
     ("differs", "options differ"), ("join", "not supported with delay=1"),
     ("server", "not supported yet"), ("wrong_state", "saved with delay=2"),
-    ("server_negative", "delay must be an int >= 0"), ("server_differs", "differs between rank 0 and rank 1"),
+    ("server_negative", "delay must be an int >= 0"), ("server_differs", "differs between rank 0 and rank 1: delay: "),
 ])
 def test_misuse_is_refused_clearly(cluster, what, message):
     for error in cluster.run(dw.refused, what):

@@ -187,7 +187,7 @@ def test_refusals_are_clear(cluster):
         assert "missing" in result["subset"]
         assert "join" in result["join"]
         assert "not among them" in result["outside"]
-        assert "differs between rank 0 and rank 1" in result["per_rank_lr"]
+        assert "differs between rank 0 and rank 1: param groups (hyperparameters, parameters)" in result["per_rank_lr"]
         assert "add_param_group" in result["add_group"]
         assert "second synced backward" in result["second_backward"]
         assert "GradScaler" in result["grad_scaler"]

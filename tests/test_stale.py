@@ -173,6 +173,17 @@ def test_dead_or_failed_peer_ends_with_a_clear_error(fresh_cluster, how, stalene
         assert outcomes[1].value == {"raised": "the user's training loop failed"}
 
 
+def test_a_dead_peer_is_named_when_the_survivor_owns_every_chunk(fresh_cluster):
+    """With the default chunks the survivor owns the model's one chunk, so no answer fails: its server
+    thread loses the connection, or the wait for the dead rank's push times out (as the barrier's or the
+    bound's wait); each names the rank."""
+    outcomes = fresh_cluster.run_outcomes(partial(sw.dies_or_raises, chunk_bytes=None, pause_s=0.0, timeout=20), 3,
+                                          "exit", timeout=90)
+    assert outcomes[0].ok, outcomes[0].value
+    error = outcomes[0].value["error"]
+    assert error is not None and "rank(s) [1]" in error, error
+
+
 @pytest.mark.parametrize("staleness", [1, None], ids=["ssp1", "async"])
 def test_checkpoint_resume(cluster, staleness):
     results = cluster.run(sw.checkpoint_resume, staleness, timeout=120)
@@ -188,6 +199,15 @@ def test_loading_parameters_mid_training_needs_finish(cluster):
         assert "call opt.finish()" in message
 
 
+@pytest.mark.parametrize("when", ["before-first-step", "after-synchronize", "after-finish"])
+def test_an_in_place_write_is_refused_until_finish_then_kept(cluster, when):
+    """The owners hold the values in this mode: a parameter written in place would be overwritten by
+    them without a word, so the next training forward refuses, and ``finish()`` makes the owners take it."""
+    for result in cluster.run(sw.edited_in_place, when, timeout=60):
+        assert "'weight' was written in place" in result["message"]
+        assert torch.equal(result["weight"], torch.full((1, 3), 7.0))
+
+
 def test_staleness_zero_is_todays_bsp_bit_for_bit(cluster):
     """``staleness=0`` runs the lockstep engine, bit for bit as without the argument, and trains as torch
     DDP with AdamW does."""
@@ -198,7 +218,10 @@ def test_staleness_zero_is_todays_bsp_bit_for_bit(cluster):
 
 
 def test_refusals(cluster):
-    messages = cluster.run(sw.refusals)[0]
+    every_rank = cluster.run(sw.refusals)
+    for messages in every_rank:  # a bound that differs between ranks: named, on every rank
+        assert "differs between rank 0 and rank 1: staleness: 1 vs 2" in messages[8]
+    messages = every_rank[0]
     assert "cannot be combined with delay" in messages[0]
     assert "max_grad_norm" in messages[1]
     assert "lazy_pull" in messages[2]
