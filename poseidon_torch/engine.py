@@ -632,9 +632,10 @@ class Engine:
         if deferred is not None and self.consistency.waits_per_layer:
             for name, p in zip(bucket.param_names, bucket.params):
                 if p._version != deferred.versions[id(p)]:
-                    error = SyncError(f"parameter {name!r} was written after backward() while its new value was still "
-                                      "pending (a ServerOptimizer with lazy_pull=True or staleness lands it at the next "
-                                      "forward): call model.synchronize() before writing parameters between steps")
+                    error = SyncError(f"parameter {name!r} was written after backward() while its new value was "
+                                      "still pending (a ServerOptimizer with lazy_pull=True or staleness lands it at "
+                                      "the next forward): call model.synchronize() before writing parameters between "
+                                      "steps")
                     self.failure = error
                     raise error
         if self._streams is not None:

@@ -267,9 +267,9 @@ class ServerOptimizer(torch.optim.Optimizer):
         servers) until this is called; afterwards they hold the servers' newest values, and training may
         go on (the pipeline refills). Without ``delay`` it is :meth:`PoseidonDDP.synchronize`. Not
         collective (every rank computes the same values), but call it on every rank at the same step: a rank
-        that calls it alone mid-training reads newer values than the others for k forwards. With ``staleness`` it is collective: it waits
-        until every rank called it (the others train on meanwhile: uneven data), then every rank's
-        parameters are the owners' newest values and the clocks restart."""
+        that calls it alone mid-training reads newer values than the others for k forwards. With
+        ``staleness`` it is collective: it waits until every rank called it (the others train on meanwhile:
+        uneven data), then every rank's parameters are the owners' newest values and the clocks restart."""
         if self.stale:
             self.model.engine.finish_aborted_pass()  # a last backward that raised pushes its clock first
         self.model.synchronize()
