@@ -37,7 +37,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .barrier import SyncError
@@ -565,21 +564,25 @@ class StaleServer:
         self._send_replies(replies)
         self._wait_for_everyone()
         try:
-            self._settle()
+            alone = self._settle()
         except RuntimeError as exc:
             raise SyncError(f"staleness={self.bound}: finish() on rank {self.rank}: every rank said it was done, "
                             f"but the collective that settles the values failed ({exc}): a peer left finish() with an "
                             "error (see its own) or died") from None
+        if alone:
+            raise RuntimeError(f"opt.finish(): rank(s) {alone} loaded or wrote parameters and the other ranks did not; "
+                               "each owner took its own rank's values, so every rank now holds that mix: load or write "
+                               "the same values on every rank, then call opt.finish() again")
 
-    def _settle(self) -> None:
+    def _settle(self) -> list[int]:
         """Collective: every rank's parameters the owners' values (or, after a load, the other way round);
-        the clocks start again."""
-        loaded = torch.tensor([float(self.parameters_loaded or bool(self.edited()))])
-        self.control.all_reduce(loaded, dist.ReduceOp.MAX)  # one rank loaded: the same collective everywhere
-        if loaded.item():
+        the clocks start again. Returns the ranks that loaded or wrote parameters when some others did
+        not (the owners then took a mix)."""
+        # one rank loaded: the same collectives everywhere
+        loaded = self.control.all_gather_objects(self.parameters_loaded or bool(self.edited()))
+        if any(loaded):
             self._take_parameters()
-        else:
-            self._give_parameters()
+        self._give_parameters()  # after a load too: ranks that loaded and ranks that did not end up the same
         with self._cond:
             for owned in self._owned.values():
                 owned.applied = [0] * self.size
@@ -588,6 +591,7 @@ class StaleServer:
             self._waiting = []
         self.clock = self.pushes = -1
         self.control.barrier()  # nobody pushes before every owner started its clocks again
+        return [rank for rank, flag in enumerate(loaded) if flag] if any(loaded) and not all(loaded) else []
 
     def _push_summed(self) -> None:
         """The gradients still summed since the last push (``push_every``) go as one more push of every

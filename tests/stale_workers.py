@@ -232,6 +232,31 @@ def edited_in_place(rank: int, world_size: int, when: str) -> dict:
     return {"message": message, "weight": weight}
 
 
+def written_on_one_rank(rank: int, world_size: int) -> dict:
+    """Only rank 1 writes a parameter; it is refused, the others train on; ``finish()`` must say that
+    the ranks held different values, and leave every rank with the same ones."""
+    model = nn.Linear(3, 1)
+    wrapped = PoseidonDDP(model, timeout=30, hybrid=False)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, staleness=1)
+    wrapped(torch.randn(2, 3)).sum().backward()
+    wrapped.synchronize()
+    if rank == 1:
+        with torch.no_grad():
+            model.weight.fill_(7.0)
+    try:
+        wrapped(torch.randn(2, 3)).sum().backward()
+    except RuntimeError:
+        pass  # rank 1's refusal: tested elsewhere
+    try:
+        opt.finish()
+        message = "finished"
+    except RuntimeError as exc:
+        message = str(exc)
+    state = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    wrapped.close()
+    return {"message": message, "state": state}
+
+
 def same_as_default(rank: int, world_size: int) -> dict:
     """Three steps of AdamW: ``staleness=0`` passed, the argument left out, and torch DDP with a plain
     AdamW, from the same weights on the same data; and the policy the engine ran."""

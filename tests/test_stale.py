@@ -208,6 +208,13 @@ def test_an_in_place_write_is_refused_until_finish_then_kept(cluster, when):
         assert torch.equal(result["weight"], torch.full((1, 3), 7.0))
 
 
+def test_a_write_on_one_rank_is_named_at_finish_and_the_ranks_end_equal(cluster):
+    results = cluster.run(sw.written_on_one_rank, timeout=60)
+    for result in results:
+        assert "rank(s) [1] loaded or wrote parameters and the other ranks did not" in result["message"], result
+        assert torch.equal(result["state"], results[0]["state"])
+
+
 def test_staleness_zero_is_todays_bsp_bit_for_bit(cluster):
     """``staleness=0`` runs the lockstep engine, bit for bit as without the argument, and trains as torch
     DDP with AdamW does."""
