@@ -111,11 +111,14 @@ class Cluster:
         self._procs[rank].join(timeout)
         return self._procs[rank].exitcode
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
+        """Ask every rank to leave; kill what is still alive ``grace_s`` later (a rank whose peer died
+        may hang in gloo's teardown)."""
         for q, p in zip(self._jobs, self._procs):
             if p.is_alive():
                 q.put(None)
+        deadline = time.monotonic() + grace_s
         for p in self._procs:
-            p.join(5)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()

@@ -22,7 +22,8 @@ def cluster(request):
 
 @pytest.fixture
 def fresh_cluster(request):
-    """A cluster of 2 ranks that a test may break (dead peer, injected failure)."""
+    """A cluster of 2 ranks that a test may break (dead peer, injected failure): not waited for long at
+    the end."""
     c = Cluster(2)
     yield c
-    c.close()
+    c.close(grace_s=1.0)

@@ -41,7 +41,6 @@ def test_without_the_split_every_bucket_is_ready_at_once(cluster):
 
 @pytest.mark.parametrize("server", ["step-waits", "lazy-pull"])
 def test_server_optimizer_under_compile(cluster, server):
-    reference = cluster.run(workers.compiled_training, "inner", LAYERWISE, "step-waits", timeout=240)
     results = cluster.run(workers.compiled_training, "inner", LAYERWISE, server, timeout=240)
     if server == "lazy-pull":  # the per-module waits cannot run inside a compiled graph: a clear error
         assert all("torch.compile" in r["error"] for r in results), [r["error"] for r in results]
@@ -50,7 +49,6 @@ def test_server_optimizer_under_compile(cluster, server):
     for r in results:
         assert r["error"] is None and r["graph_breaks"] == 0, r["error"]
     assert_matches_eager_ddp(results, eager)
-    assert_matches_eager_ddp(reference, eager)
 
 
 def test_compiled_graphs_are_cut_where_torch_ddp_cuts(cluster):

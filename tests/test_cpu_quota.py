@@ -7,13 +7,13 @@ Skipped where cgroups cannot be written (not root).
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 
+from poseidon_torch.bench.__main__ import main as bench_main
 from poseidon_torch.bench.cpuquota import CpuQuotaUnavailable, HostCpuQuota
 
 #: a second of busy work, then the process's CPU seconds (one write: two of them share stdout)
@@ -64,9 +64,8 @@ def test_leaving_kills_what_still_runs_and_removes_the_cgroups() -> None:
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "many"])
-def test_a_bad_cpu_count_is_refused_before_anything_runs(tmp_path, value: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "poseidon_torch.bench", "--cpus-per-host", value,
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
-    assert result.returncode == 2
-    assert "--cpus-per-host" in result.stderr
+def test_a_bad_cpu_count_is_refused_before_anything_runs(tmp_path, value: str, capsys) -> None:
+    with pytest.raises(SystemExit) as refused:  # the benchmark's own main, in process
+        bench_main(["--cpus-per-host", value, "--out", str(tmp_path)])
+    assert refused.value.code == 2
+    assert "--cpus-per-host" in capsys.readouterr().err

@@ -24,7 +24,7 @@ def test_exception_in_sync_job_reaches_training_thread(fresh_cluster, path, env)
     assert failed["error_type"] == "SyncError"
     assert "body.2" in failed["error"] and "injected failure" in failed["error"]
     assert peer["error_type"] in ("SyncError", "SyncTimeout")
-    assert peer["elapsed"] < 5 + 10, "the peer must fail within its timeout"
+    assert peer["elapsed"] < workers.FAILING_JOB_TIMEOUT_S + 10, "the peer must fail within its timeout"
     assert "cannot continue after a failed sync" in failed["next_forward"]
 
 

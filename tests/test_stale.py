@@ -109,8 +109,9 @@ def test_finish_waits_for_a_rank_that_trains_on_without_pushing_to_it(cluster, d
     finisher = 0 if early == "first" else cluster.world_size - 1
     own = [STEPS] * cluster.world_size
     own[finisher] = 1
-    sleeps = [[0.0 if rank == finisher else 0.75] * STEPS for rank in range(cluster.world_size)]
-    results = cluster.run(sw.ledger_run, None, STEPS, sleeps, own, None, *downpour, 4.0, timeout=120)
+    timeout = 2.5
+    sleeps = [[0.0 if rank == finisher else 1.5 * timeout / STEPS] * STEPS for rank in range(cluster.world_size)]
+    results = cluster.run(sw.ledger_run, None, STEPS, sleeps, own, None, *downpour, timeout, timeout=120)
     expected = torch.zeros(cluster.world_size, STEPS)
     for rank, n in enumerate(own):
         expected[rank, :n] = -1.0 / cluster.world_size
@@ -163,11 +164,13 @@ def test_least_squares_converges(cluster, staleness, downpour):
 @pytest.mark.parametrize("staleness, downpour", [(1, {}), (None, {}), (None, {"push_every": 5, "fetch_every": 5})],
                          ids=["ssp1", "async", "async-push5-fetch5"])
 def test_dead_or_failed_peer_ends_with_a_clear_error(fresh_cluster, how, staleness, downpour):
-    outcomes = fresh_cluster.run_outcomes(partial(sw.dies_or_raises, **downpour), staleness, how, timeout=90)
+    timeout = 2.5
+    outcomes = fresh_cluster.run_outcomes(partial(sw.dies_or_raises, timeout=timeout, **downpour), staleness, how,
+                                          timeout=90)
     survivor = outcomes[0]
     assert survivor.ok, survivor.value
     assert survivor.value["error"] is not None, "the survivor trained on alone to the end"
-    assert survivor.value["elapsed"] < 5 * 3 + 10, survivor.value
+    assert survivor.value["elapsed"] < timeout * 3 + 10, survivor.value
     assert "rank 1" in survivor.value["error"] or "[1]" in survivor.value["error"], survivor.value["error"]
     if how == "raise":
         assert outcomes[1].value == {"raised": "the user's training loop failed"}

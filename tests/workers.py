@@ -145,11 +145,15 @@ class FailingPath:
         return (yield from self.inner.sync(bucket, groups, ctx))
 
 
+#: the sync timeout of :func:`failing_sync_job` (the peer of the failing rank may wait it out)
+FAILING_JOB_TIMEOUT_S = 2.5
+
+
 def failing_sync_job(rank: int, world_size: int, layer: str, path: str) -> dict:
     """Rank 0's sync job for ``layer`` on ``path`` raises; both ranks must see an error ending the step."""
     spec = ModelSpec(widths=(8, 8))
     options = {"hybrid": False} if path == "PS" else {"overrides": {layer: "SFB"}}
-    wrapped = PoseidonDDP(build(spec, seed=0), timeout=5, fusion_bytes=0, **options)
+    wrapped = PoseidonDDP(build(spec, seed=0), timeout=FAILING_JOB_TIMEOUT_S, fusion_bytes=0, **options)
     x, y = batch(spec, 0, 2, 1)
     if path == "SFB":  # the first step always syncs through PS; SFB runs from the second
         F.mse_loss(wrapped(x), y).backward()
