@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from poseidon_torch.bench.__main__ import main as bench_main
+from poseidon_torch.bench.__main__ import parse_args as parse_bench_args
 from poseidon_torch.bench.cpuquota import CpuQuotaUnavailable, HostCpuQuota
 
 #: a second of busy work, then the process's CPU seconds (one write: two of them share stdout)
@@ -65,7 +65,7 @@ def test_leaving_kills_what_still_runs_and_removes_the_cgroups() -> None:
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "many"])
 def test_a_bad_cpu_count_is_refused_before_anything_runs(tmp_path, value: str, capsys) -> None:
-    with pytest.raises(SystemExit) as refused:  # the benchmark's own main, in process
-        bench_main(["--cpus-per-host", value, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as refused:  # the benchmark's own parser, in process
+        parse_bench_args(["--cpus-per-host", value, "--out", str(tmp_path)])
     assert refused.value.code == 2
     assert "--cpus-per-host" in capsys.readouterr().err
