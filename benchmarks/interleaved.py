@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -51,7 +50,7 @@ def parse_args() -> argparse.Namespace:
 
 
 class Runner:
-    """One mode on this rank: its model, optimizer, compiled callable and batches."""
+    """One mode on this rank: its model, optimizer, the callable it trains through, its step count."""
 
     def __init__(self, mode: str, args: argparse.Namespace, rank: int) -> None:
         self.mode, self.rank, self.step = mode, rank, 0
@@ -125,5 +124,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
