@@ -209,8 +209,7 @@ class StaleServer:
         """A forward that may train must not run on loaded or edited parameters the owners have not taken
         yet (the owners' values would silently replace them)."""
         edited = self.edited()
-        if edited:
-            self.parameters_loaded = True
+        if edited:  # finish() finds them by their versions, as this check does
             raise RuntimeError(f"parameter {edited[0]!r} was written in place while the ServerOptimizer runs with "
                                "staleness (the owners hold the values and would overwrite it): call opt.finish() on "
                                "every rank after writing parameters, so the servers take the written values")
