@@ -102,6 +102,7 @@ def main() -> None:
     try:
         for runner in runners:  # warm-up (and compilation), untimed
             runner.time_block(args.warmup)
+        buckets = {r.mode: r.model.bucket_names for r in runners if r.mode in POSEIDON_MODES}
         records = []
         for round_ in range(args.blocks):
             order = runners[round_ % len(runners):] + runners[:round_ % len(runners)]
@@ -110,6 +111,9 @@ def main() -> None:
         dist.all_gather_object(gathered, records)
         if rank == 0:
             summary = summarise(args, gathered)
+            summary["buckets"] = buckets  # learned in warm-up: they may differ between modes and runs
+            for mode, names in buckets.items():
+                print(f"{mode} buckets, in sync order: {' | '.join(names)}")
             for mode, s in summary["modes"].items():
                 print(f"{mode:18s} {s['iter_ms']:8.1f} ms  CPU {s['cpu_s_per_iter']:.3f} s/iter  vs DDP "
                       f"{s['vs_ddp_median']:.3f} (rounds {s['vs_ddp_min']:.3f}-{s['vs_ddp_max']:.3f})")

@@ -294,7 +294,7 @@ class FCLayer:
 
     def _before_call(self, module: nn.Module, args: tuple) -> None:
         # not a candidate, or traced into a compiled graph (no capture, no graph break)
-        if not self.watching or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not self.watching:
             return
         state = None
         if torch.is_grad_enabled() and self.weight.requires_grad:
@@ -312,7 +312,7 @@ class FCLayer:
         self._calls.append(state)
 
     def _after_call(self, module: nn.Module, args: tuple, output: object) -> Tensor | None:
-        if not self.watching or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not self.watching:
             return None
         detached = self._calls.pop() if self._calls else None
         if detached:

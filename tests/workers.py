@@ -604,6 +604,7 @@ def _compiled_training(rank: int, how: str, options: dict, server: str | None) -
     if isinstance(engine_owner, PoseidonDDP):
         engine_owner.close()
     out["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    out["graphs_compiled"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
