@@ -493,8 +493,9 @@ class _UseRecorder:
 def fc_layers(layers: list[Layer], model: nn.Module, in_forward: Callable[[], bool],
               in_synced_forward: Callable[[], bool]) -> dict[str, FCLayer]:
     """The layers that can take the SFB path, by layer name: exactly one registered FC module whose
-    trainable weight (and bias) are all its parameters, not shared with another module (a weight tied
-    to another module gets gradient the factors do not see)."""
+    trainable weight (and bias) are all its parameters and all the layer's, none shared with another
+    module (a weight tied to another module gets gradient the factors do not see; the module that
+    registers it second holds only its bias as a layer, yet its calls would rebuild the weight too)."""
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
@@ -506,8 +507,8 @@ def fc_layers(layers: list[Layer], model: nn.Module, in_forward: Callable[[], bo
         if (spec is None or not spec.weight_of(layer.module).requires_grad or layer.name.count("#")
                 or (bias is not None and not bias.requires_grad)):
             continue
-        own = {id(spec.weight_of(layer.module)), id(bias)}
-        if all(id(p) in own and owners[id(p)] == 1 for _, p in layer.params):
+        own = [spec.weight_of(layer.module)] + ([bias] if bias is not None else [])
+        if {id(p) for _, p in layer.params} == {id(p) for p in own} and all(owners[id(p)] == 1 for p in own):
             eligible[layer.name] = FCLayer(layer.name, layer.module, spec, in_forward, in_synced_forward)
     return eligible
 

@@ -37,6 +37,7 @@ class ModelSpec:
     image: int = 6
     batchnorm: bool = False
     tied: bool = False          # a square hidden layer applied twice per forward
+    shared_across: bool = False  # two square Linear modules sharing one weight (twin.weight = square.weight)
     frozen_first: bool = False  # first layer's parameters do not require grad
     unused_branch: bool = False  # a layer no rank ever uses
     rank0_branch: bool = False   # a layer only rank 0 uses
@@ -74,6 +75,10 @@ class Net(nn.Module):
             width = w
         self.body = nn.Sequential(*layers)
         self.tied = nn.Linear(width, width, bias=spec.bias) if spec.tied else None
+        self.square = self.twin = None
+        if spec.shared_across:
+            self.square, self.twin = nn.Linear(width, width, bias=spec.bias), nn.Linear(width, width, bias=spec.bias)
+            self.twin.weight = self.square.weight
         self.rank0_side = nn.Linear(width, width) if spec.rank0_branch else None
         self.unused = nn.Linear(4, 4) if spec.unused_branch else None
         head = TransposedFC if spec.custom_head else nn.Linear
@@ -87,6 +92,8 @@ class Net(nn.Module):
         h = self.body(self.features(x).flatten(1) if self.features else x)
         if self.tied is not None:
             h = torch.tanh(self.tied(torch.tanh(self.tied(h))))
+        if self.square is not None:
+            h = torch.tanh(self.twin(torch.tanh(self.square(h))))
         if use_side and self.rank0_side is not None:
             h = h + self.rank0_side(h)
         return self.head(h)

@@ -40,6 +40,19 @@ def test_cost_model_picks_sfb_for_wide_layers_and_stays_exact(cluster, width, si
     assert_parity(results, spec, size, cluster.world_size)
 
 
+def test_a_weight_shared_by_two_modules_stays_on_ps_and_exact(cluster):
+    """One weight in two Linear modules (``twin.weight = square.weight``, as a head tied to a layer of the
+    trunk): neither module's factors see the other's share of the gradient, so neither may take SFB
+    whatever the link says, while the other FC layers still do (a break-test found a ``KeyError`` in
+    backward when the cost model picked SFB for the module that owns only the bias)."""
+    spec = ModelSpec(in_features=64, widths=(64,), out_features=4, shared_across=True)
+    results = cluster.run(workers.train_pair, spec, STEPS, 2, 1, False, {"link": SLOW_LINK, "fusion_bytes": 0})
+    assert all("error" not in r["poseidon"] for r in results), results
+    assert_parity(results, spec, 2, cluster.world_size)
+    assert_path_ran(results, ["body.0"], "SFB")
+    assert_path_ran(results, ["square", "twin"], "PS")
+
+
 @pytest.mark.parametrize("zero_grad", ["after", "never"])
 def test_sfb_keeps_gradients_that_were_already_there(cluster, zero_grad):
     spec = ModelSpec(in_features=10, widths=(12,), out_features=3)
