@@ -60,7 +60,8 @@ from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, profile
 STALE_MODES = {"poseidon-ssp1": 1, "poseidon-ssp3": 3, "poseidon-async": None}
 SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-priority", *STALE_MODES)
 #: Pipe-SGD: the default mode (hybrid) with ``delay=k``
-DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2}
+DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2, "poseidon-ps-delay1": 1}
+PS_ONLY_MODES = ("poseidon-ps", "poseidon-ps-python", "poseidon-ps-delay1")  #: every layer on the PS path
 POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES, *DELAY_MODES)
 MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero", *SERVER_MODES,
          *DELAY_MODES)
@@ -100,7 +101,7 @@ def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None) -> Call
     except ImportError as exc:
         raise RuntimeError(f"mode {mode} needs poseidon_torch.PoseidonDDP, "
                            f"which is not importable: {exc}") from exc
-    hybrid = mode == "poseidon-hybrid" or mode in SERVER_MODES or mode in DELAY_MODES
+    hybrid = mode not in PS_ONLY_MODES
     engine = "python" if mode == "poseidon-ps-python" else "native"
     if mode == "poseidon-server-lazy-priority":
         os.environ["POSEIDON_PULL_PRIORITY"] = "1"

@@ -17,7 +17,8 @@ Sizes (full): ``fc_heavy`` ~34 M parameters of which ~99 % in three FC layers; `
 the sizes people train: ``resnet18`` ~11.2 M (full-width ResNet-18 for 32x32, batch 32) and ``gpt2`` ~17 M
 (GPT-2-small-like, 4 layers of width 512, vocab 8192, seq 128, tied embeddings, batch 8);
 ``mlp50`` / ``mlp200``: 50 / 200 blocks of Linear(64, 64) + LayerNorm (210 k / 840 k parameters, 100 / 400
-parameter tensors), batch 32: little compute per layer, so the engine's per-layer cost shows.
+parameter tensors), batch 32: little compute per layer, so the engine's per-layer cost shows;
+``gpt2-offcpu`` / ``resnet18-offcpu``: those models with their compute off the CPU (``offcpu.py``).
 One training iteration with 1 torch thread on the 2-core development machine: fc_heavy ~0.25-0.3 s,
 resnet ~0.3-0.4 s, transformer ~0.15 s.
 """
@@ -28,6 +29,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from poseidon_torch.bench.offcpu import off_cpu
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 MODEL_SEED = 1234
@@ -266,6 +269,16 @@ def _deep_mlp(depth: int) -> Callable[[bool], Workload]:
     return build_deep_mlp
 
 
+def _off_cpu(build_workload: Callable[[bool], Workload], seconds: float,
+             positions: int | None = None) -> Callable[[bool], Workload]:
+    def build_off_cpu(tiny: bool = False) -> Workload:
+        return off_cpu(build_workload(tiny), seconds / 10 if tiny else seconds, positions)
+
+    build_off_cpu.__doc__ = (f"{build_workload.__name__} with its compute off the CPU (an emulated accelerator, "
+                             f"{seconds} s per iteration: ``offcpu.py``); batch 1 computed for real.")
+    return build_off_cpu
+
+
 WORKLOADS: dict[str, Callable[[bool], Workload]] = {
     "fc_heavy": fc_heavy,
     "resnet": resnet,
@@ -274,6 +287,10 @@ WORKLOADS: dict[str, Callable[[bool], Workload]] = {
     "gpt2": gpt2,
     "mlp50": _deep_mlp(50),
     "mlp200": _deep_mlp(200),
+    # the same gradients, the compute waited for on an emulated accelerator (what one rank's CPU compute
+    # took on the development machine: 0.72 s for gpt2, 0.82 s for resnet18), so the cores are the sync's
+    "gpt2-offcpu": _off_cpu(gpt2, 0.72, positions=16),
+    "resnet18-offcpu": _off_cpu(resnet18, 0.82),
 }
 #: what ``--workload all`` runs: the paper-style workloads (the deep MLPs measure engine overhead)
 MAIN_WORKLOADS = ("fc_heavy", "resnet", "transformer")
