@@ -72,25 +72,27 @@ def own_flops(model: nn.Module, example: torch.Tensor) -> tuple[dict[nn.Module, 
     return own, calls
 
 
-def install_waits(model: nn.Module, example: torch.Tensor, seconds: float) -> list:
+def install_waits(model: nn.Module, example: torch.Tensor, seconds: float) -> dict[str, float]:
     """Hooks that make one forward + backward of ``model`` at ``example``'s shape wait ``seconds`` in all,
-    a forward wait and twice that in backward per module, split by each module's own FLOPs."""
+    a forward wait and twice that in backward per module call, split by each module's own FLOPs; returns
+    each waiting module's forward wait per call, by name."""
     own, calls = own_flops(model, example)
     total = sum(own.values())
     if total == 0:
         raise ValueError("the model's forward counted no FLOPs: nothing to split the waits by")
     forward_s = seconds / (1.0 + BACKWARD_PER_FORWARD)
-    handles = []
+    names = {module: name for name, module in model.named_modules()}
+    waits = {}
     for module, flops in own.items():
         if flops == 0:
             continue
-        wait = forward_s * flops / total / calls[module]
+        wait = waits[names[module]] = forward_s * flops / total / calls[module]
 
         def after(m: nn.Module, args: tuple, output: object, wait: float = wait) -> object:
             return _waited(output, wait)
 
-        handles.append(module.register_forward_hook(after))
-    return handles
+        module.register_forward_hook(after)
+    return waits
 
 
 def _waited(output: object, wait: float) -> object:

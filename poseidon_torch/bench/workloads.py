@@ -18,7 +18,8 @@ the sizes people train: ``resnet18`` ~11.2 M (full-width ResNet-18 for 32x32, ba
 (GPT-2-small-like, 4 layers of width 512, vocab 8192, seq 128, tied embeddings, batch 8);
 ``mlp50`` / ``mlp200``: 50 / 200 blocks of Linear(64, 64) + LayerNorm (210 k / 840 k parameters, 100 / 400
 parameter tensors), batch 32: little compute per layer, so the engine's per-layer cost shows;
-``gpt2-offcpu`` / ``resnet18-offcpu``: those models with their compute off the CPU (``offcpu.py``).
+``gpt2-offcpu`` / ``resnet18-offcpu``: those models with their compute off the CPU (``offcpu.py``);
+``gpt2-synconly`` / ``resnet18-synconly``: the same waiting for nothing (the sync's own time).
 One training iteration with 1 torch thread on the 2-core development machine: fc_heavy ~0.25-0.3 s,
 resnet ~0.3-0.4 s, transformer ~0.15 s.
 """
@@ -291,6 +292,9 @@ WORKLOADS: dict[str, Callable[[bool], Workload]] = {
     # took on the development machine: 0.72 s for gpt2, 0.82 s for resnet18), so the cores are the sync's
     "gpt2-offcpu": _off_cpu(gpt2, 0.72, positions=16),
     "resnet18-offcpu": _off_cpu(resnet18, 0.82),
+    # the same with no compute waited for: an iteration is the sync's own time (and the one-sample compute)
+    "gpt2-synconly": _off_cpu(gpt2, 0.0, positions=16),
+    "resnet18-synconly": _off_cpu(resnet18, 0.0),
 }
 #: what ``--workload all`` runs: the paper-style workloads (the deep MLPs measure engine overhead)
 MAIN_WORKLOADS = ("fc_heavy", "resnet", "transformer")
