@@ -113,6 +113,7 @@ def off_cpu(workload: Workload, seconds: float, positions: int | None = None) ->
     sequence model); see the module docstring."""
     example, _ = workload.make_batch(0, 0)
     install_waits(workload.model, example, seconds)
+
     def first_sample(rank: int, step: int) -> Batch:
         x, y = workload.make_batch(rank, step)
         if positions is None:
