@@ -324,7 +324,8 @@ class PoseidonDDP(nn.Module, Joinable):
         step = _Forward(engine, synced, time.monotonic_ns(), splitting_compiled_graphs(self._split))
         engine.begin_forward(synced)
         try:
-            self._forward_collectives(synced)
+            with self.recorder.waiting("forward collectives"):
+                self._forward_collectives(synced)
         except BaseException:
             engine.end_forward()
             raise

@@ -86,12 +86,14 @@ class SyncContext:
 
 
 class Round:
-    """Identity of a round of synced forwards, and when it began (the tracer's iteration starts there)."""
+    """Identity of a round of synced forwards, when it began (the tracer's iteration starts there) and
+    its tracer iteration (None: not recorded)."""
 
-    __slots__ = ("began_ns",)
+    __slots__ = ("began_ns", "traced")
 
-    def __init__(self) -> None:
+    def __init__(self, traced: int | None = None) -> None:
         self.began_ns = time.monotonic_ns()
+        self.traced = traced
 
 
 @dataclass(eq=False)
@@ -295,10 +297,9 @@ class Engine:
             self._latest_forward_synced = synced
         self.consistency.before_forward()
         if synced and self._round is None:
-            self._round = Round()
+            self._round = Round(self.recorder.start_iteration())
             for name, layer in self.fc.items():
                 layer.begin_round(self.coordinator.commits(name))
-            self.recorder.start_iteration()
         self._update_ask()
         self._tls.depth = getattr(self._tls, "depth", 0) + 1
         self._tls.synced = synced
@@ -388,7 +389,7 @@ class Engine:
                      for ctx in p.contexts]
         if self.server is not None:
             self.server.begin_pass()
-        self.core.begin_pass(committed, native_ps, self.recorder.active)
+        self.core.begin_pass(committed, native_ps, self._traced(p) is not None)
         self._pass = self._jobs_pass = p
         if queue_end:
             torch.autograd.Variable._execution_engine.queue_callback(partial(self._task_ended, task))
@@ -431,8 +432,9 @@ class Engine:
             everyone, exchange, self._facts_bytes = mine.repeat(self.world_size), None, 0
         may_defer = not p.aborted and (self.server is not None and self._learned or self.consistency.defers)
         if not may_defer:
-            self._guarded(p, self._wait_jobs)
-        self._guarded(p, partial(_wait_exchange, exchange))
+            self._wait_for_jobs(p)
+        with self.recorder.waiting("facts"):
+            self._guarded(p, partial(_wait_exchange, exchange))
         facts = self.coordinator.observe(everyone.view(self.world_size, -1), len(self.buckets))
         if self.server is not None:
             self.server.facts_known(facts.aborted)
@@ -446,7 +448,7 @@ class Engine:
             self.consistency.backward_returned(self.buckets, averaged=False)
             return
         if may_defer:
-            self._guarded(p, self._wait_jobs)
+            self._wait_for_jobs(p)
         if self.server is not None and facts.aborted:
             self.server.roll_back()
         if self.server is not None and (not facts.aborted or self.server.keeps_aborted_values):
@@ -456,6 +458,11 @@ class Engine:
         self._close(p, facts, self._live)
         if not (p.aborted or p.shadow):
             self.consistency.backward_returned(self.buckets, averaged=True)
+
+    def _wait_for_jobs(self, p: Pass) -> None:
+        """Block until every sync job of ``p`` has run (traced as the training thread's wait)."""
+        with self.recorder.waiting("jobs"):
+            self._guarded(p, self._wait_jobs)
 
     def _wait_jobs(self) -> None:
         raise_outcome(*self.core.wait(self.timeout))
@@ -481,10 +488,10 @@ class Engine:
         if self._streams is not None:
             for bucket in self.buckets:
                 torch.cuda.current_stream().wait_event(bucket.done_event)
-        start = time.monotonic_ns()
+        start, traced = time.monotonic_ns(), self._traced(p)
         self._write_averages(p, facts, grads)
-        if self.recorder.active:
-            self.recorder.add("scatter", "averages", "compute", start, time.monotonic_ns())
+        if traced is not None:
+            self.recorder.add("scatter", "averages", "compute", start, time.monotonic_ns(), traced)
         late = [b for b, is_late in zip(self.buckets, facts.late) if is_late]
         if late and self.server is not None:
             self._close_pass(p)
@@ -497,14 +504,15 @@ class Engine:
             if drive(self._ps.sync(bucket, self._channels[0], ctx)):
                 grads.scatter(bucket)
         self._update_stats(p, late)
-        if self.recorder.active:
-            self._record_pass(p)
+        if traced is not None:
+            self._record_pass(p, traced)
         if not facts.aborted:
             self._watch_pulls(facts)
             self._learn_if_needed()
         self._close_pass(p)
         # a deferred pass closes during the next round's forward: its iteration began with its own round
-        self.recorder.end_iteration(p.round.began_ns if p.round is not None else None, **self.consistency.trace_args())
+        self.recorder.end_iteration(traced, p.round.began_ns if p.round is not None else None,
+                                    **self.consistency.trace_args())
         if facts.aborted and not p.aborted:
             peers = ", ".join(map(str, facts.aborted_ranks))
             raise SyncError(f"the backward of rank(s) {peers} was aborted (an exception on that rank) in this step: "
@@ -649,7 +657,7 @@ class Engine:
         deferred = self._deferred
         if deferred is None or deferred.drained:
             return
-        self._guarded(deferred.pass_, self._wait_jobs)
+        self._wait_for_jobs(deferred.pass_)
         late = [index for index, applied in enumerate(deferred.applied) if not applied and self.server is not None]
         if output is not None and late and self.consistency.waits_per_layer:
             self._check_not_read(output, late)
@@ -723,10 +731,11 @@ class Engine:
             if key == self.plan.first_second_slot:
                 self.server.before_updates(self._channels[channel], len(self.buckets), self.timeout)
             phases = slot.halves.second() if second else slot.phases
-            if self.recorder.active:
+            traced = self._traced(self._jobs_pass)
+            if traced is not None:
                 sent = (lambda: 0) if index in self.plan.split and not second else (lambda: bucket.bytes_sent)
                 self.recorder.run_job(phases, bucket.name, self._lanes[channel], slot.ready_ns, slot.ctx.path, sent,
-                                      "pull" if second else "sync")  # a split job's bytes count once, at its end
+                                      traced, "pull" if second else "sync")  # a split job's bytes count once
             else:
                 drive(phases)
             if stream is not None:
@@ -798,18 +807,24 @@ class Engine:
         stats.bytes_by_path = by_path
         stats.outcome_by_bucket = {b.name: b.outcome for b in self.buckets}
 
-    def _record_pass(self, p: Pass) -> None:
+    def _traced(self, p: Pass) -> int | None:
+        """The tracer's iteration of ``p`` (None: not recorded); a pass outside any round (aborted,
+        shadow) belongs to the training thread's iteration."""
+        return p.round.traced if p.round is not None else self.recorder.current
+
+    def _record_pass(self, p: Pass, iteration: int) -> None:
         """The compute lane's backward spans (each bucket's share, up to its submission) and the spans
-        of the jobs the core ran itself."""
+        of the jobs the core ran itself, as ``iteration``'s."""
         last = self._backward_start_ns or p.began_ns
         for bucket in sorted(self.buckets, key=lambda b: self.core.submit_ns(b.index)):
             submitted = self.core.submit_ns(bucket.index)
-            self.recorder.add("backward", bucket.name, "compute", last, max(last, submitted))
+            self.recorder.add("backward", bucket.name, "compute", last, max(last, submitted), iteration)
             last = max(last, submitted)
         for index, kind, start, end in self.core.native_spans():
             bucket = self.buckets[index]
             args = {"path": PS, "bytes": bucket.bytes_sent} if kind == "sync" else {"path": PS}
-            self.recorder.add(kind, bucket.name, self._lanes[index % len(self._channels)], start, end, **args)
+            self.recorder.add(kind, bucket.name, self._lanes[index % len(self._channels)], start, end, iteration,
+                              **args)
         self._backward_start_ns = 0
 
     def _watch_pulls(self, facts: PassFacts) -> None:

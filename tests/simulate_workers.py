@@ -16,7 +16,7 @@ def traced_delayed(rank: int, world_size: int, trace_dir: str) -> None:
     spec = ModelSpec(widths=(16,))
     wrapped = PoseidonDDP(build(spec, seed=0), timeout=60, trace_dir=trace_dir, trace_skip=1, trace_iters=2, delay=1)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    for step in range(3):
+    for step in range(4):  # the window's last pass (step 2) closes in step 3's forward
         x, y = batch(spec, step, 2, world_size)
         F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
         opt.step()

@@ -186,6 +186,34 @@ def test_summary_json_matches_hand_computed_values(merged, capsys):
     )
 
 
+def spans_with_waits() -> dict[int, list[Span]]:
+    """The synthetic trace plus waits: every rank on the facts [300k, 340k], rank 0 on jobs [260k, 280k]."""
+    spans = {rank: rank_spans(rank) for rank in range(2)}
+    for rank, rank_list in spans.items():
+        for it in range(len(ITERATION_NS)):
+            base = T0 + it * 1_000 * K
+            rank_list.append(Span("wait", "facts", "compute", base + 300 * K, base + 340 * K, it))
+            if rank == 0:
+                rank_list.append(Span("wait", "jobs", "compute", base + 260 * K, base + 280 * K, it))
+    return spans
+
+
+def test_waits_are_reported_and_hide_no_communication():
+    """Waits added to the synthetic trace: every rank waits on the facts [300k, 340k] (after backward);
+    rank 0 also waits on jobs [260k, 280k], inside backward fc1 while fc2's network [250k, 350k] runs.
+    Rank 0's hidden time drops from 50k to 30k per iteration ([250k, 260k] + [280k, 300k]): overlap
+    3 * (30k + 100k) / (3 * 330k); fc2's hidden share 3 * (30k + 100k) / (6 * 100k) = 0.65; waits per
+    rank-iteration: facts 3 * 2 * 40k / 6 = 0.04 ms, jobs 3 * 20k / 6 = 0.01 ms."""
+    from poseidon_torch.trace import summarize
+
+    summary = summarize(spans_with_waits())
+    assert summary["overlap_ratio"] == pytest.approx(130 / 330)
+    assert summary["exposed_comm_ms_per_iteration"] == pytest.approx(3 * (120 + 80) * K / 6 / 1e6)
+    fc2 = next(row for row in summary["layers"] if row["layer"] == "fc2")
+    assert fc2["hidden_share"] == pytest.approx(0.65)
+    assert summary["waits_ms_per_iteration"] == pytest.approx({"jobs": 0.01, "facts": 0.04, "forward collectives": 0.0})
+
+
 def test_summary_of_one_rank_file(rank_files, capsys):
     summary = summary_json(rank_files[0], capsys)
     assert summary["ranks"] == 1
@@ -209,6 +237,16 @@ def test_plot_writes_a_png(merged, tmp_path):
     assert main(["plot", str(merged), "-o", str(out)]) == 0
     data = out.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1024
+
+
+def test_waits_survive_the_files_and_plot(tmp_path, capsys):
+    out = tmp_path / "trace_merged.json"
+    write_merged_trace(out, list(spans_with_waits().values()), 2, {"skip": 0, "iters": 3})
+    assert sum(s.kind == "wait" for s in load_spans(out)[0]) == 6
+    text_ok = main(["summary", str(out)]) == 0
+    assert text_ok and "waiting on the sync per iteration: 0.050 ms (jobs 0.010, facts 0.040" in capsys.readouterr().out
+    png = tmp_path / "waits.png"
+    assert main(["plot", str(out), "-o", str(png)]) == 0 and png.read_bytes().startswith(PNG_MAGIC)
 
 
 def test_plot_selected_iteration(merged, tmp_path):

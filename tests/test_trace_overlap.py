@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poseidon_torch.trace.overlap import intersection_length, overlap_ratio, total_length, union
+from poseidon_torch.trace.overlap import difference, intersection_length, overlap_ratio, total_length, union
 
 GRID = 40
 
@@ -86,6 +86,20 @@ def test_intersection_length_matches_reference(a, b):
     expected = len(cells(a) & cells(b))
     assert intersection_length(a, b) == expected
     assert intersection_length(b, a) == expected
+
+
+@no_deadline
+@given(interval_sets, interval_sets)
+def test_difference_covers_the_cells_of_a_not_in_b(a, b):
+    left = difference(a, b)
+    assert cells(left) == cells(a) - cells(b)
+    assert is_canonical(left)
+
+
+def test_difference_cuts_holes_and_ends():
+    assert difference([(0, 10), (20, 30)], [(2, 4), (8, 22), (29, 40)]) == [(0, 2), (4, 8), (22, 29)]
+    assert difference([(0, 10)], []) == [(0, 10)]
+    assert difference([(0, 10)], [(0, 10)]) == []
 
 
 @no_deadline

@@ -46,6 +46,35 @@ def test_real_trace_covers_every_layer_and_rank_and_summary_agrees(cluster, tmp_
         engine_bytes = [b[row["layer"]] for r in results for b in r["bytes_by_syncer"]]
         assert row["bytes_per_iteration"] == pytest.approx(sum(engine_bytes) / len(engine_bytes))
     assert summary["iterations"] == iters and summary["ranks"] == cluster.world_size
+    for rank_spans in spans.values():  # BSP: the training thread waits for the jobs after its backward
+        for iteration in (1, 2, 3):
+            waits = _waits(rank_spans, iteration)
+            assert sorted(waits) == ["facts", "forward collectives", "jobs"], (iteration, waits)
+            backward_starts = [s.start_ns for s in rank_spans if s.kind == "backward" and s.iteration == iteration]
+            assert waits["jobs"].start_ns >= max(backward_starts)
+            assert waits["facts"].start_ns >= waits["jobs"].end_ns
+    assert summary["waits_ms_per_iteration"]["jobs"] > 0
+
+
+def test_pipe_sgd_trace_shows_the_jobs_waited_for_in_the_next_forward(cluster, tmp_path):
+    """delay=1: a pass's jobs are waited for at the next forward, before that step's backward begins."""
+    from poseidon_torch.trace import files as tracefile
+
+    cluster.run(workers.traced_training, str(tmp_path), 3, 1)
+    for rank_spans in tracefile.load_spans(tmp_path / "trace_merged.json").values():
+        for iteration in (1, 2):
+            waits = _waits(rank_spans, iteration)
+            backward_starts = [s.start_ns for s in rank_spans if s.kind == "backward" and s.iteration == iteration]
+            assert waits["jobs"].end_ns <= min(backward_starts), iteration
+            assert waits["facts"].start_ns >= max(backward_starts)
+
+
+def _waits(spans, iteration: int) -> dict:
+    """The wait spans of ``iteration``, by name (one each)."""
+    waits = [s for s in spans if s.kind == "wait" and s.iteration == iteration]
+    by_name = {s.name: s for s in waits}
+    assert len(by_name) == len(waits), waits
+    return by_name
 
 
 def test_user_profiler_sees_every_sync_job(cluster):

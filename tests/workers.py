@@ -274,20 +274,22 @@ def replan_on_new_k(rank: int, world_size: int, link, sizes: tuple[int, ...]) ->
     return plans
 
 
-def traced_training(rank: int, world_size: int, trace_dir: str, iters: int) -> dict:
-    """Train the example-like CNN with the tracer on for ``iters`` iterations after one skipped."""
+def traced_training(rank: int, world_size: int, trace_dir: str, iters: int, delay: int = 0) -> dict:
+    """Train the example-like CNN with the tracer on for ``iters`` iterations after one skipped (and
+    ``delay`` more, in which the last traced passes close)."""
     spec = ModelSpec(conv_channels=(4,), batchnorm=True, widths=(64, 32), image=6)
     model = build(spec, seed=0)
     wrapped = PoseidonDDP(model, timeout=60, trace_dir=trace_dir, trace_skip=1, trace_iters=iters,
-                          link=slow_link(), fusion_bytes=0)
+                          link=slow_link(), fusion_bytes=0, delay=delay)
     sent = []
-    for step in range(1 + iters):
+    for step in range(1 + iters + delay):
+        wrapped.zero_grad(set_to_none=True)  # Pipe-SGD refuses to accumulate on an average it handed out
         x, y = batch(spec, step, 2, world_size)
         F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
         sent.append(dict(wrapped.comm_stats.bytes_by_bucket))
     names = wrapped.bucket_names
     wrapped.close()
-    return {"syncers": names, "bytes_by_syncer": sent[1:]}
+    return {"syncers": names, "bytes_by_syncer": sent[1:1 + iters]}
 
 
 def trace_cut_short(rank: int, world_size: int, trace_dir: str, steps: int, skip: int) -> dict:

@@ -10,6 +10,7 @@ Invariants:
   intervals vanish, so ``union(union(x)) == union(x)`` and the result does not depend on input order;
 - lengths count covered time once: ``total_length(x) == sum of lengths of union(x)``, and
   ``intersection_length(a, b) == total_length of union(a) ∩ union(b)``;
+- :func:`difference` is ``union(a)`` without ``union(b)``, canonical as :func:`union`'s result;
 - :func:`overlap_ratio` follows Holistic Trace Analysis (HTA): the share of communication time
   during which computation also runs, ``|∪comm ∩ ∪compute| / |∪comm|``, in ``[0, 1]``. With no
   communication time at all there is nothing left exposed, so the ratio is defined as ``1.0``.
@@ -53,6 +54,25 @@ def intersection_length(a: Iterable[Interval], b: Iterable[Interval]) -> int:
         else:
             j += 1
     return covered
+
+
+def difference(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
+    """``union(a)`` with the time ``union(b)`` covers cut out."""
+    cuts = union(b)
+    left: list[Interval] = []
+    j = 0
+    for start, end in union(a):
+        while j < len(cuts) and cuts[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(cuts) and cuts[k][0] < end:
+            if cuts[k][0] > start:
+                left.append((start, cuts[k][0]))
+            start = max(start, cuts[k][1])
+            k += 1
+        if start < end:
+            left.append((start, end))
+    return left
 
 
 def overlap_ratio(comm: Iterable[Interval], compute: Iterable[Interval]) -> float:

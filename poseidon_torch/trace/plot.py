@@ -27,6 +27,7 @@ STYLES = {
     "sync": ("sync job", None, 0.8),
     "pull": ("update and pull (split job)", None, 0.8),
     "iteration": ("iteration", "#e3e3e3", 0.96),
+    "wait": ("training thread waits on the sync", "#222222", 0.3),
 }
 
 
@@ -87,7 +88,8 @@ def _draw_lane(axes: Axes, y: int, spans: list[Span], origin: int) -> set[str]:
         elif colour is None:
             axes.broken_barh(bars, extent, facecolors="none", edgecolors="0.4", linewidth=0.8)
         else:
-            axes.broken_barh(bars, extent, facecolors=colour, edgecolors="white", linewidth=0.5)
+            above = {"zorder": 3} if key == "wait" else {}  # over the forward it happens in
+            axes.broken_barh(bars, extent, facecolors=colour, edgecolors="white", linewidth=0.5, **above)
     return set(groups)
 
 

@@ -10,6 +10,8 @@ Invariants:
   the boundaries the path yields; the data path itself never sees the tracer;
 - all spans of a rank come from ``time.monotonic_ns()`` and are shifted by the rank's clock offset to
   rank 0, measured once at start-up, when written;
+- a span belongs to the iteration of the pass it records (a deferred pass, Pipe-SGD's, closes during the
+  next iteration's forward, so the window closes there); waits and forwards to the training thread's;
 - writing happens once, when the window closes: the spans are gathered to every rank (collective over
   the control group, in the training thread), then the files are written by a background thread so the
   training step does not wait on the disk; ``flush()`` waits for it;
@@ -22,7 +24,8 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,25 +78,48 @@ class Recorder:
         stamps = self._gather(time.monotonic_ns())
         return stamps[self.rank] - stamps[0]
 
-    def start_iteration(self) -> None:
+    def start_iteration(self) -> int | None:
+        """The training thread begins an iteration: its index when the window records it, else None (the
+        engine keeps it with the iteration's pass, which may close during the next iteration)."""
         if self.config is None or self._closed:
-            return
+            return None
         self._iteration += 1
         first = self.config.skip
         self.active = first <= self._iteration < first + self.config.iters
         self._iteration_start = time.monotonic_ns()
+        return self.current
 
-    def add(self, kind: str, name: str, lane: str, start_ns: int, end_ns: int, **args) -> None:
-        self.spans.append(Span(kind, name, lane, start_ns - self.clock_offset_ns,
-                               end_ns - self.clock_offset_ns, self._iteration, args))
+    @property
+    def current(self) -> int | None:
+        """The training thread's iteration, when the window records it."""
+        return self._iteration if self.active else None
+
+    def add(self, kind: str, name: str, lane: str, start_ns: int, end_ns: int, iteration: int | None = None,
+            **args) -> None:
+        """A span of ``iteration`` (default: the training thread's)."""
+        self.spans.append(Span(kind, name, lane, start_ns - self.clock_offset_ns, end_ns - self.clock_offset_ns,
+                               self._iteration if iteration is None else iteration, args))
+
+    @contextmanager
+    def waiting(self, name: str) -> Iterator[None]:
+        """The training thread blocks on the sync (``name``: one of ``WAIT_NAMES``) for the ``with`` body:
+        a ``wait`` span when recording, nothing otherwise."""
+        if not self.active:
+            yield
+            return
+        start = time.monotonic_ns()
+        try:
+            yield
+        finally:
+            self.add("wait", name, "compute", start, time.monotonic_ns())
 
     def run_job(self, phases: Generator[str, None, object], name: str, lane: str, ready_ns: int, path: str,
-                bytes_sent: Callable[[], int], envelope: str = "sync") -> object:
-        """Drive a sync job's phases to the end, recording its queue wait, each phase the path yields
-        (a phase lasts until the next one begins) and the whole job (a span of kind ``envelope``: "sync",
-        or "pull" for the second slot of a split job); returns the job's result."""
+                bytes_sent: Callable[[], int], iteration: int, envelope: str = "sync") -> object:
+        """Drive a sync job of ``iteration``'s pass to the end, recording its queue wait, each phase the
+        path yields (a phase lasts until the next one begins) and the whole job (a span of kind
+        ``envelope``: "sync", or "pull" for the second slot of a split job); returns the job's result."""
         start = time.monotonic_ns()
-        self.add("queue", name, lane, ready_ns, start)
+        self.add("queue", name, lane, ready_ns, start, iteration)
         kind, since = None, start
         while True:
             try:
@@ -101,23 +127,24 @@ class Recorder:
             except StopIteration as stop:
                 end = time.monotonic_ns()
                 if kind is not None:
-                    self.add(kind, name, lane, since, end, path=path)
-                self.add(envelope, name, lane, start, end, path=path, bytes=bytes_sent())
+                    self.add(kind, name, lane, since, end, iteration, path=path)
+                self.add(envelope, name, lane, start, end, iteration, path=path, bytes=bytes_sent())
                 return stop.value
             now = time.monotonic_ns()
             if kind is not None:
-                self.add(kind, name, lane, since, now, path=path)
+                self.add(kind, name, lane, since, now, iteration, path=path)
             kind, since = following, now
 
-    def end_iteration(self, began_ns: int | None = None, **args) -> None:
-        """The iteration whose pass closes now ended; it began at ``began_ns`` (its round's first
-        forward: earlier than the latest :meth:`start_iteration` when the pass was deferred); ``args``:
-        what the consistency policy says of it (SSP: the clock and the staleness its answers had)."""
-        if not self.active:
+    def end_iteration(self, iteration: int | None, began_ns: int | None = None, **args) -> None:
+        """Iteration ``iteration`` (None: not recorded) ended: its pass closes now, possibly during the
+        next iteration (a deferred pass); it began at ``began_ns`` (its round's first forward); ``args``:
+        what the consistency policy says of it (SSP: the clock and the staleness its answers had). The
+        window's last iteration writes the trace."""
+        if iteration is None or self._closed:
             return
         began = self._iteration_start if began_ns is None else began_ns
-        self.add("iteration", "iteration", "compute", began, time.monotonic_ns(), **args)
-        if self._iteration + 1 == self.config.skip + self.config.iters:
+        self.add("iteration", "iteration", "compute", began, time.monotonic_ns(), iteration, **args)
+        if iteration + 1 == self.config.skip + self.config.iters:
             self.active = False
             self._write()
 

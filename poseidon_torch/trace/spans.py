@@ -18,13 +18,19 @@ from typing import Any
 #: update (the optimizer step at a shard, parameter-server mode); scatter: every average back into
 #: ``.grad``, on the compute lane at the end of backward; sync: a whole sync job, or the first slot of a
 #: split one (args carry ``path`` and ``bytes``); pull: the second slot of a split job (update and pull,
-#: parameter-server mode; it carries the job's bytes).
+#: parameter-server mode; it carries the job's bytes); wait: the training thread blocked on the sync, named
+#: for what it waits on (:data:`WAIT_NAMES`), inside a forward span or after the backward.
 SPAN_KINDS = ("forward", "backward", "iteration", "queue", "gather", "network", "rebuild", "update", "scatter",
-              "sync", "pull")
+              "sync", "pull", "wait")
 JOB_KINDS = ("sync", "pull")
 PHASE_KINDS = ("gather", "network", "rebuild", "update", "scatter")
 COMPUTE_KINDS = ("forward", "backward")
 COMM_KINDS = ("network",)
+WAIT_KINDS = ("wait",)
+#: jobs: a pass's sync jobs (the BSP barrier at the end of backward, or a deferred pass at the next
+#: forward); facts: the end-of-pass facts exchange; forward collectives: what a forward issues before
+#: the module runs (rank 0's buffers, join()'s notices)
+WAIT_NAMES = ("jobs", "facts", "forward collectives")
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,12 @@ Definitions (time sets are unions of span intervals, see :mod:`poseidon_torch.ov
   by summing lengths, bytes or times before dividing;
 - a *rank-iteration* is one (rank, iteration index) pair present in the trace; "per iteration"
   values are totals divided by the number of rank-iterations, i.e. means per iteration per rank;
-- comm = ``network`` spans, compute = ``forward`` + ``backward`` spans; the overlap ratio is HTA's
+- comm = ``network`` spans, compute = ``forward`` + ``backward`` spans less the ``wait`` spans (the
+  training thread blocked on the sync computes nothing); the overlap ratio is HTA's
   ``|∪comm ∩ ∪compute| / |∪comm|`` (1.0 without comm) and exposed communication is
   ``|∪comm| - |∪comm ∩ ∪compute|``;
+- waits are the summed durations of ``wait`` spans by name (what the training thread waited on), per
+  rank-iteration;
 - a layer is the name of ``sync``/``network`` spans: its bytes come from ``args["bytes"]`` of its
   ``sync`` spans, its comm time is the summed duration of its ``network`` spans, and its hidden share
   is the part of its ``network`` time covered by the same rank's ``backward`` spans;
@@ -19,8 +22,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 
-from .overlap import Interval, intersection_length, total_length
-from .spans import COMM_KINDS, COMPUTE_KINDS, JOB_KINDS, Span
+from .overlap import Interval, difference, intersection_length, total_length
+from .spans import COMM_KINDS, COMPUTE_KINDS, JOB_KINDS, WAIT_KINDS, WAIT_NAMES, Span
 
 NS_PER_MS = 1_000_000
 
@@ -38,6 +41,7 @@ def summarize(spans_by_rank: dict[int, list[Span]]) -> dict:
         "comm_ms_per_iteration": _per(comm_ns, samples) / NS_PER_MS,
         "exposed_comm_ms_per_iteration": _per(comm_ns - hidden_ns, samples) / NS_PER_MS,
         "iteration_ms_median": statistics.median(durations) / NS_PER_MS if durations else None,
+        "waits_ms_per_iteration": _waits(spans_by_rank, samples),
         "layers": [_layer_row(name, spans_by_rank, samples) for name in _layer_names(spans_by_rank)],
     }
 
@@ -56,6 +60,7 @@ def format_summary(summary: dict, title: str) -> str:
         ("communication per iteration", f"{summary['comm_ms_per_iteration']:.3f} ms"),
         ("exposed communication per iteration", f"{summary['exposed_comm_ms_per_iteration']:.3f} ms"),
         ("iteration time (median)", "-" if median is None else f"{median:.3f} ms"),
+        ("training thread waiting on the sync per iteration", _format_waits(summary["waits_ms_per_iteration"])),
     ]
     label_width = max(len(label) for label, _ in totals)
     lines = [f"{title}: {summary['ranks']} ranks, {summary['iterations']} iterations", ""]
@@ -76,13 +81,30 @@ def _intervals(spans: Iterable[Span], kinds: Iterable[str], name: str | None = N
 def _hidden(
     spans_by_rank: dict[int, list[Span]], comm_kinds: Iterable[str], cover_kinds: Iterable[str], name: str | None = None
 ) -> tuple[int, int]:
-    """``(|∪comm|, |∪comm ∩ ∪cover|)`` summed over ranks; ``name`` restricts comm to one layer."""
+    """``(|∪comm|, |∪comm ∩ ∪cover|)`` summed over ranks, where cover excludes the rank's waits; ``name``
+    restricts comm to one layer."""
     comm_ns = hidden_ns = 0
     for spans in spans_by_rank.values():
         comm = _intervals(spans, comm_kinds, name)
         comm_ns += total_length(comm)
-        hidden_ns += intersection_length(comm, _intervals(spans, cover_kinds))
+        cover = difference(_intervals(spans, cover_kinds), _intervals(spans, WAIT_KINDS))
+        hidden_ns += intersection_length(comm, cover)
     return comm_ns, hidden_ns
+
+
+def _waits(spans_by_rank: dict[int, list[Span]], samples: int) -> dict[str, float]:
+    """Milliseconds per rank-iteration the training thread waited, by what it waited on."""
+    waited = dict.fromkeys(WAIT_NAMES, 0)
+    for spans in spans_by_rank.values():
+        for span in spans:
+            if span.kind in WAIT_KINDS:
+                waited[span.name] = waited.get(span.name, 0) + span.duration_ns
+    return {name: _per(ns, samples) / NS_PER_MS for name, ns in waited.items()}
+
+
+def _format_waits(waits: dict[str, float]) -> str:
+    parts = ", ".join(f"{name} {ms:.3f}" for name, ms in waits.items())
+    return f"{sum(waits.values()):.3f} ms ({parts})"
 
 
 def _ratio(part: int, whole: int) -> float:
