@@ -426,7 +426,7 @@ class Engine:
                                       [not self.core.done(b.index) for b in self.buckets])
         if self.consistency.lockstep:
             everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
-            exchange = self._control.start_all_gather(everyone, mine)
+            exchange = self._control.start_small_all_gather(everyone, mine)
             self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
         else:  # ranks on their own clocks: each pass knows its own facts only
             everyone, exchange, self._facts_bytes = mine.repeat(self.world_size), None, 0

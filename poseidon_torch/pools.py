@@ -72,6 +72,12 @@ class Collectives:
         """An all-gather in flight; ``wait()`` on the returned work."""
         return self.backend._allgather_base(out, mine)
 
+    def start_small_all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> Any:
+        """An all-gather of a few bytes in flight, sent to every peer directly (an all-to-all of copies):
+        one hop instead of the P-1 of gloo's ring, each of which may queue behind bulk traffic on a
+        busy link (the end-of-pass facts while Pipe-SGD's sync runs)."""
+        return self.backend.alltoall_base(out, mine.repeat(self.size), [], [], dist.AllToAllOptions())
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         self.backend.allreduce([tensor], _options(dist.AllreduceOptions, reduceOp=op)).wait()
 
