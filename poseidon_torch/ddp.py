@@ -324,8 +324,7 @@ class PoseidonDDP(nn.Module, Joinable):
         step = _Forward(engine, synced, time.monotonic_ns(), splitting_compiled_graphs(self._split))
         engine.begin_forward(synced)
         try:
-            with self.recorder.waiting("forward collectives"):
-                self._forward_collectives(synced)
+            self._forward_collectives(synced)
         except BaseException:
             engine.end_forward()
             raise
@@ -352,12 +351,15 @@ class PoseidonDDP(nn.Module, Joinable):
         """What torch DDP issues in forward: with join() the not-joined notice and this iteration's
         sync decision, then rank 0's buffers (synced forwards in training mode only)."""
         code = _SYNC * synced + _BUFFERS * (synced and self._syncs_buffers())
-        if self._join_config.enable:
-            Join.notify_join_context(self)
-            flag = torch.tensor([code])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        if code & _BUFFERS:
-            self._sync_buffers(joined=False)
+        if not (self._join_config.enable or code & _BUFFERS):
+            return
+        with self.recorder.waiting("forward collectives"):
+            if self._join_config.enable:
+                Join.notify_join_context(self)
+                flag = torch.tensor([code])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            if code & _BUFFERS:
+                self._sync_buffers(joined=False)
 
     def _syncs_buffers(self) -> bool:
         lockstep = self._engine is None or self._engine.consistency.lockstep  # SSP: ranks on their own clocks

@@ -433,8 +433,9 @@ class Engine:
         may_defer = not p.aborted and (self.server is not None and self._learned or self.consistency.defers)
         if not may_defer:
             self._wait_for_jobs(p)
-        with self.recorder.waiting("facts"):
-            self._guarded(p, partial(_wait_exchange, exchange))
+        if exchange is not None:
+            with self.recorder.waiting("facts"):
+                self._guarded(p, partial(_wait_exchange, exchange))
         facts = self.coordinator.observe(everyone.view(self.world_size, -1), len(self.buckets))
         if self.server is not None:
             self.server.facts_known(facts.aborted)
@@ -615,7 +616,8 @@ class Engine:
             return
         for index in self._buckets_of_module.get(id(module), ()):
             if not deferred.applied[index]:
-                self._guarded(deferred.pass_, partial(self._wait_bucket, index))
+                with self.recorder.waiting("values"):
+                    self._guarded(deferred.pass_, partial(self._wait_bucket, index))
                 self._apply(index, deferred)
 
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -807,6 +809,16 @@ class Engine:
         stats.bytes_by_path = by_path
         stats.outcome_by_bucket = {b.name: b.outcome for b in self.buckets}
 
+    def _record_unsettled(self) -> None:
+        """The engine closes with a deferred pass drained but not closed (closing it may be collective):
+        its spans, as its iteration's, for the tracer's last local write."""
+        deferred = self._deferred
+        traced = self._traced(deferred.pass_) if deferred is not None else None
+        if traced is not None:
+            self._record_pass(deferred.pass_, traced)
+            round_ = deferred.pass_.round
+            self.recorder.add_iteration(traced, round_.began_ns if round_ is not None else None)
+
     def _traced(self, p: Pass) -> int | None:
         """The tracer's iteration of ``p`` (None: not recorded); a pass outside any round (aborted,
         shadow) belongs to the training thread's iteration."""
@@ -892,6 +904,7 @@ class Engine:
                 with contextlib.suppress(SyncError):
                     self.finish_aborted_pass()
             self.drain()
+            self._record_unsettled()
         finally:
             self.core.close()
             if self.server is not None:
@@ -917,8 +930,6 @@ def _leaves_of(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
 
 
 def _wait_exchange(exchange) -> None:
-    if exchange is None:
-        return
     try:
         exchange.wait()
     except RuntimeError as exc:

@@ -810,3 +810,26 @@ def traced_split_jobs(rank: int, world_size: int, trace_dir: str) -> dict:
     traced = {row["layer"]: row["bytes_per_iteration"]
               for row in summarize(load_spans(f"{trace_dir}/trace_rank{rank}.json"))["layers"]}
     return {"counted": counted, "traced": traced, "split": split}
+
+
+def traced_pull_waits(rank: int, world_size: int, trace_dir: str, lazy: bool) -> dict:
+    """ServerOptimizer with every job's network phase slowed by 50 ms once the buckets are learned,
+    traced over steps 2-3: the training thread's waits per rank-iteration, by what it waited on."""
+    from poseidon_torch.server import ServerPath
+    from poseidon_torch.trace import load_spans, summarize
+
+    spec = ModelSpec(widths=(16, 16), out_features=4)
+    model = build(spec, seed=1)
+    wrapped = PoseidonDDP(model, timeout=60, hybrid=False, fusion_bytes=0, trace_dir=trace_dir, trace_skip=2,
+                          trace_iters=2)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, lazy_pull=lazy)
+    for step in range(5):
+        if step == 1:
+            engine = wrapped.engine
+            engine._server_path = slowed(ServerPath, ("network",), 0.05)(engine._ps, engine.server)
+        x, y = batch(spec, step, 2, world_size)
+        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    wrapped.close()
+    return summarize(load_spans(f"{trace_dir}/trace_merged.json"))["waits_ms_per_iteration"]

@@ -364,6 +364,16 @@ def test_lazy_pull_refuses_a_root_that_reads_a_childs_parameter(cluster):
         assert "'offset.bias' was read in a forward before its new value had arrived" in message, message
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_the_trace_shows_where_the_training_thread_waits_for_new_values(cluster, tmp_path, lazy):
+    """Pulls slowed by 50 ms: eager pulls are waited for as the step's jobs; lazy ones at each layer's
+    forward, as that layer's values."""
+    waits = cluster.run(server_workers.traced_pull_waits, str(tmp_path), lazy)[0]
+    waited, idle = ("values", "jobs") if lazy else ("jobs", "values")
+    assert waits[waited] > 25 and waits[idle] < 5, waits
+    assert waits["forward collectives"] == 0  # no buffers, no join(): a forward issues no collective
+
+
 def test_the_trace_counts_a_split_jobs_bytes_once(cluster, tmp_path):
     for result in cluster.run(server_workers.traced_split_jobs, str(tmp_path)):
         assert result["split"]

@@ -211,7 +211,8 @@ def test_waits_are_reported_and_hide_no_communication():
     assert summary["exposed_comm_ms_per_iteration"] == pytest.approx(3 * (120 + 80) * K / 6 / 1e6)
     fc2 = next(row for row in summary["layers"] if row["layer"] == "fc2")
     assert fc2["hidden_share"] == pytest.approx(0.65)
-    assert summary["waits_ms_per_iteration"] == pytest.approx({"jobs": 0.01, "facts": 0.04, "forward collectives": 0.0})
+    assert summary["waits_ms_per_iteration"] == pytest.approx({"jobs": 0.01, "facts": 0.04, "forward collectives": 0.0,
+                                                                 "values": 0.0})
 
 
 def test_summary_of_one_rank_file(rank_files, capsys):

@@ -69,6 +69,22 @@ def test_pipe_sgd_trace_shows_the_jobs_waited_for_in_the_next_forward(cluster, t
             assert waits["facts"].start_ns >= max(backward_starts)
 
 
+def test_a_pipe_sgd_window_whose_last_pass_is_open_at_close_is_written_whole(cluster, tmp_path):
+    """delay=1, a run of exactly skip + iters steps: the window's last pass closes at a forward that never
+    comes; ``close()`` records it (no collective) and each rank's file holds every traced iteration."""
+    from poseidon_torch.trace import load_spans
+
+    results = cluster.run(workers.trace_cut_short, str(tmp_path), 4, 1, 3, 1)
+    (note,) = results[0]["warnings"]
+    assert "last pass was still open" in note and "merge" in note
+    for rank in range(cluster.world_size):
+        spans = load_spans(tmp_path / f"trace_rank{rank}.json")[rank]
+        for iteration in (1, 2, 3):
+            assert sum(s.kind == "iteration" and s.iteration == iteration for s in spans) == 1, (rank, iteration)
+            assert any(s.kind == "backward" and s.iteration == iteration for s in spans), (rank, iteration)
+        assert {s.iteration for s in spans} == {1, 2, 3}
+
+
 def _waits(spans, iteration: int) -> dict:
     """The wait spans of ``iteration``, by name (one each)."""
     waits = [s for s in spans if s.kind == "wait" and s.iteration == iteration]

@@ -292,15 +292,19 @@ def traced_training(rank: int, world_size: int, trace_dir: str, iters: int, dela
     return {"syncers": names, "bytes_by_syncer": sent[1:1 + iters]}
 
 
-def trace_cut_short(rank: int, world_size: int, trace_dir: str, steps: int, skip: int) -> dict:
-    """A run of ``steps`` iterations with a trace window (skip ``skip``, 10 iterations) that never closes:
-    ``close()`` must write what was recorded, or say that nothing was; returns the tracer's warnings."""
+def trace_cut_short(rank: int, world_size: int, trace_dir: str, steps: int, skip: int, iters: int = 10,
+                    delay: int = 0) -> dict:
+    """A run of ``steps`` iterations with a trace window (skip ``skip``, ``iters`` iterations) that never
+    closes: ``close()`` must write what was recorded, or say that nothing was; returns the tracer's
+    warnings."""
     spec = ModelSpec(widths=(16, 8))
     model = build(spec, seed=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        wrapped = PoseidonDDP(model, timeout=60, trace_dir=trace_dir, trace_skip=skip, trace_iters=10, hybrid=False)
+        wrapped = PoseidonDDP(model, timeout=60, trace_dir=trace_dir, trace_skip=skip, trace_iters=iters, hybrid=False,
+                              delay=delay)
         for step in range(steps):
+            wrapped.zero_grad(set_to_none=True)
             x, y = batch(spec, step, 2, world_size)
             F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
         wrapped.close()

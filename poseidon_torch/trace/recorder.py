@@ -142,11 +142,16 @@ class Recorder:
         window's last iteration writes the trace."""
         if iteration is None or self._closed:
             return
-        began = self._iteration_start if began_ns is None else began_ns
-        self.add("iteration", "iteration", "compute", began, time.monotonic_ns(), iteration, **args)
+        self.add_iteration(iteration, began_ns, **args)
         if iteration + 1 == self.config.skip + self.config.iters:
             self.active = False
             self._write()
+
+    def add_iteration(self, iteration: int, began_ns: int | None = None, **args) -> None:
+        """Iteration ``iteration``'s span, ending now, without closing the window (the wrapper closes with
+        its pass still open: :meth:`finish` writes it)."""
+        began = self._iteration_start if began_ns is None else began_ns
+        self.add("iteration", "iteration", "compute", began, time.monotonic_ns(), iteration, **args)
 
     def _write(self) -> None:
         self._closed = True
@@ -179,15 +184,18 @@ class Recorder:
         if self.config is None or self._closed:
             return
         self._closed, self.active = True, False
-        recorded = max(0, min(self._iteration - self.config.skip + 1, self.config.iters))
+        recorded = len({span.iteration for span in self.spans if span.kind == "iteration"})
         if not self.spans:
             self._say(f"the run ended after {self._iteration + 1} synced iteration(s), before the trace window "
                       f"began (trace_skip={self.config.skip}): nothing was recorded; lower trace_skip")
             return
         self._write_files([], self._meta(recorded))
-        self._say(f"the run ended after {recorded} of the {self.config.iters} traced iteration(s): wrote each rank's "
-                  f"trace to {self.config.directory}/trace_rank*.json (no merged trace); merge them with "
-                  f"`python -m poseidon_torch.trace merge -o trace_merged.json {self.config.directory}/trace_rank*.json`")
+        ended = ("the trace window's last pass was still open when the wrapper closed (with delay=k, lazy pulls or "
+                 "a ServerOptimizer delay a step's pass closes at the next forward)" if recorded == self.config.iters
+                 else f"the run ended after {recorded} of the {self.config.iters} traced iteration(s)")
+        self._say(f"{ended}: wrote each rank's trace to {self.config.directory}/trace_rank*.json (no merged trace); "
+                  f"merge them with `python -m poseidon_torch.trace merge -o trace_merged.json "
+                  f"{self.config.directory}/trace_rank*.json`")
 
     def _say(self, message: str) -> None:
         if self.rank == 0:

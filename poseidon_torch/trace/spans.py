@@ -29,8 +29,9 @@ COMM_KINDS = ("network",)
 WAIT_KINDS = ("wait",)
 #: jobs: a pass's sync jobs (the BSP barrier at the end of backward, or a deferred pass at the next
 #: forward); facts: the end-of-pass facts exchange; forward collectives: what a forward issues before
-#: the module runs (rank 0's buffers, join()'s notices)
-WAIT_NAMES = ("jobs", "facts", "forward collectives")
+#: the module runs (rank 0's buffers, join()'s notices); values: a layer's new parameter values, waited
+#: for at that layer's forward (parameter-server mode with lazy pulls or a staleness bound)
+WAIT_NAMES = ("jobs", "facts", "forward collectives", "values")
 
 
 @dataclass(frozen=True)
