@@ -712,10 +712,11 @@ class Engine:
         self._finish(p)
 
     def shadow_pass(self) -> None:
-        """Take part in a pass of the other ranks with nothing to contribute (a joined rank)."""
+        """Take part in a pass of the other ranks with nothing to contribute (a joined rank); it is an
+        iteration of theirs, so the tracer counts it (its window closes, with a gather, where theirs does)."""
         self.finish_aborted_pass()
         with self._lock:
-            p = self._open(None, -1, queue_end=False, shadow=True)
+            p = self._open(Round(self.recorder.start_iteration()), -1, queue_end=False, shadow=True)
         self._finish(p)
 
     # ---- sync jobs (channel threads) --------------------------------------------------------------

@@ -209,6 +209,23 @@ def test_join_handles_uneven_inputs_like_ddp(cluster, force, env):
             torch.testing.assert_close(ours[rank]["params"][name], value, rtol=1e-5, atol=1e-6)
 
 
+def test_join_with_a_rank_out_of_data_inside_the_trace_window_writes_the_trace(cluster, tmp_path):
+    """Rank r has 3 + r batches; the window (iterations 1-3) ends after rank 0 joined: its shadow passes
+    count as iterations, so it takes part in the window's gather and the merged trace holds every rank."""
+    from poseidon_torch.trace import load_spans
+
+    env = {"POSEIDON_TRACE_DIR": str(tmp_path), "POSEIDON_TRACE_SKIP": "1", "POSEIDON_TRACE_ITERS": "3"}
+    ours = cluster.run(patterns.uneven_inputs_join, "poseidon", "PS", timeout=60, env=env)
+    theirs = cluster.run(patterns.uneven_inputs_join, "ddp", "PS", timeout=60)
+    for rank in range(cluster.world_size):
+        for name, value in theirs[rank]["params"].items():
+            torch.testing.assert_close(ours[rank]["params"][name], value, rtol=1e-5, atol=1e-6)
+    spans = load_spans(tmp_path / "trace_merged.json")
+    assert sorted(spans) == list(range(cluster.world_size))
+    for rank_spans in spans.values():
+        assert sorted(s.iteration for s in rank_spans if s.kind == "iteration") == [1, 2, 3]
+
+
 def test_deepcopy_and_pickle(cluster):
     results = cluster.run(patterns.deepcopy_and_pickle, timeout=60)
     assert_exact(results, tol=5e-6)
