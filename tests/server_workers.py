@@ -814,7 +814,8 @@ def traced_split_jobs(rank: int, world_size: int, trace_dir: str) -> dict:
 
 def traced_pull_waits(rank: int, world_size: int, trace_dir: str, lazy: bool) -> dict:
     """ServerOptimizer with every job's network phase slowed by 50 ms once the buckets are learned,
-    traced over steps 2-3: the training thread's waits per rank-iteration, by what it waited on."""
+    traced over steps 2-3: the training thread's waits per rank-iteration, by what it waited on (rank 0,
+    which writes the merged trace; the others return nothing)."""
     from poseidon_torch.server import ServerPath
     from poseidon_torch.trace import load_spans, summarize
 
@@ -831,5 +832,5 @@ def traced_pull_waits(rank: int, world_size: int, trace_dir: str, lazy: bool) ->
         F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
         opt.step()
         opt.zero_grad()
-    wrapped.close()
-    return summarize(load_spans(f"{trace_dir}/trace_merged.json"))["waits_ms_per_iteration"]
+    wrapped.close()  # waits for this rank's trace writer: rank 0's writes the merged trace
+    return summarize(load_spans(f"{trace_dir}/trace_merged.json"))["waits_ms_per_iteration"] if rank == 0 else {}
