@@ -821,8 +821,8 @@ class Engine:
             self.recorder.add_iteration(traced, round_.began_ns if round_ is not None else None)
 
     def _traced(self, p: Pass) -> int | None:
-        """The tracer's iteration of ``p`` (None: not recorded); a pass outside any round (aborted,
-        shadow) belongs to the training thread's iteration."""
+        """The tracer's iteration of ``p`` (None: not recorded); a pass opened outside any round (a
+        backward that raised before its first gradient) belongs to the training thread's iteration."""
         return p.round.traced if p.round is not None else self.recorder.current
 
     def _record_pass(self, p: Pass, iteration: int) -> None:
