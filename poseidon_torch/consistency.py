@@ -20,8 +20,11 @@ torch's optimizers skip them). Invariants of :class:`Delayed`:
   ``zero_grad()``, the local gradient of step n); they leave ``.grad`` at once and come back averaged,
   as the ``.grad`` of every parameter, at the end of pass n+k: one object per pass, nothing of one
   pass mixes with another's;
-- passes are averaged in order and handed back in order; an aborted pass (a rank raised in backward)
-  is not a step of the pipeline on any rank, so every rank's pipeline stays the same;
+- passes are averaged in order and handed back in order; a pass aborted on every rank (each raised in
+  that backward) is not a step of the pipeline on any rank, so every rank's pipeline stays the same;
+- no barrier per step (``barrier_free``): the ranks learn of each other's trouble in a pass (a rank
+  raised in backward, a gradient came after its bucket's sync) when it settles, after they stepped,
+  so a pass in which only some ranks had trouble ends the engine on every rank;
 - the averages are deterministic: the same bits as BSP's average of the same gradients.
 :class:`DelayedValues` is Pipe-SGD in parameter-server mode: the forward of step t reads the values of
 step t-1-k, while the owners step from the newest values: w_{t+1} = opt(w_t, g(w_{t-k})).
@@ -98,6 +101,9 @@ class BSP:
     value_source = None  #: the owners step from the live parameters
     waits_per_layer = True  #: the per-layer forward waits of lazy pulls apply
     lockstep = True  #: every rank takes part in every step's collectives (the facts, buffers, learning)
+    #: no barrier per step: a deferred pass's end-of-pass facts are read when it settles (not before
+    #: ``backward()`` returns) and rank 0's buffers land at the end of the forward that sent them
+    barrier_free = False
     #: a policy that is not ``lockstep`` cannot learn buckets from a common step: its buckets are fused
     #: once, in reverse registration order, up to this many bytes besides the largest layer (or the
     #: engine's ``fusion_bytes`` when smaller)
@@ -161,9 +167,11 @@ class _InFlight:
 
 
 class Delayed(BSP):
-    """Pipe-SGD: ``.grad`` after step t's backward is the average of step t-k's gradients."""
+    """Pipe-SGD: ``.grad`` after step t's backward is the average of step t-k's gradients. Barrier-free:
+    a step's only dependency on the other ranks is its own sync, k steps later."""
 
     defers = True
+    barrier_free = True
 
     def __init__(self, delay: int) -> None:
         if delay < 1:

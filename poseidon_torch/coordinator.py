@@ -38,6 +38,7 @@ class PassFacts:
 
     aborted_ranks: list[int]  #: the ranks whose backward was aborted (an exception on that rank)
     late: list[bool]         #: per bucket: some rank got a gradient after the bucket was submitted
+    late_ranks: list[int]    #: the ranks that got a gradient after its bucket was submitted
     syncing: list[bool]      #: per bucket: its job was still running on some rank when backward ended
 
     @property
@@ -150,6 +151,7 @@ class Coordinator:
         aborted_ranks = [r for r, row in enumerate(rows) if row[0]]
         columns = list(zip(*rows))
         late = [any(c) for c in columns[1:1 + num_buckets]]
+        late_ranks = [r for r, row in enumerate(rows) if any(row[1:1 + num_buckets])]
         syncing = [any(c) for c in columns[1 + num_buckets:1 + 2 * num_buckets]]
         per_layer = columns[1 + 2 * num_buckets:]
         for i, name in enumerate(self.fc):
@@ -161,7 +163,7 @@ class Coordinator:
         if not aborted_ranks:
             self.passes += 1
             self.sfb = {name for name in self.fc if self._chooses_sfb(name)}
-        return PassFacts(aborted_ranks, late, syncing)
+        return PassFacts(aborted_ranks, late, late_ranks, syncing)
 
     def _chooses_sfb(self, name: str) -> bool:
         forced = self.overrides.get(name)

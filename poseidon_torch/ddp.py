@@ -5,7 +5,8 @@ optimizer stay as they are. When ``backward()`` returns, every trainable paramet
 average over all ranks (BSP). Invariants:
 - construction checks that all ranks have the same parameters and options, then copies rank 0's
   parameters and buffers to every rank; with ``broadcast_buffers`` every synced forward in training mode
-  does it again for buffers (BatchNorm statistics follow rank 0, as in DDP);
+  does it again for buffers (BatchNorm statistics follow rank 0, as in DDP; under Pipe-SGD, with no
+  barrier per step, the other ranks get rank 0's buffers of the synced forward before);
 - no forward issues a collective that torch DDP would not: a forward under ``no_grad``, inside
   ``no_sync`` or in eval mode issues none, so rank 0 alone may compute an accuracy;
 - ``state_dict()`` / ``load_state_dict()`` carry the ``module.`` prefix exactly as DDP's do;
@@ -24,6 +25,7 @@ import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from datetime import timedelta
 from typing import Any
 
@@ -41,7 +43,7 @@ from .engine import CommStats, Engine
 from .env import option
 from .link import LinkModel, default_link, probe_gemm_flops, probe_link
 from .pools import Groups
-from .replicas import broadcast_from, check_same_model
+from .replicas import BroadcastInFlight, broadcast_from, check_same_model
 from .sfb import fc_spec
 from .trace import Recorder, TraceConfig
 
@@ -211,6 +213,7 @@ class PoseidonDDP(nn.Module, Joinable):
             broadcast_from(list(self.module.parameters()) + list(self.module.buffers()), self._groups.data,
                            self._staged, 0)
         self._has_buffers = any(True for _ in self.module.buffers())
+        self._buffers_in_flight: BroadcastInFlight | None = None  #: a barrier-free policy's, see _pipeline_buffers
         self.recorder = Recorder(options.trace, self.rank, self.world_size, self._groups.control.all_gather_objects)
         link, gemm = self._cost_inputs(device)
         native = options.engine == "native" and device.type == "cpu" and not native_status()
@@ -270,7 +273,7 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for name in ("_engine", "_groups", "recorder"):
+        for name in ("_engine", "_groups", "recorder", "_buffers_in_flight"):
             state.pop(name, None)
         state["_group"] = None  # a copy makes its own group over the same ranks when it starts
         return state
@@ -349,9 +352,15 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def _forward_collectives(self, synced: bool) -> None:
         """What torch DDP issues in forward: with join() the not-joined notice and this iteration's
-        sync decision, then rank 0's buffers (synced forwards in training mode only)."""
+        sync decision, then rank 0's buffers (synced forwards in training mode only). Under a
+        barrier-free policy (Pipe-SGD) the buffers are pipelined too: rank 0's are sent as this forward
+        starts and land as the next synced training forward starts (before it: autograd saved them in
+        this one), so no rank waits for the others here."""
         code = _SYNC * synced + _BUFFERS * (synced and self._syncs_buffers())
         if not (self._join_config.enable or code & _BUFFERS):
+            return
+        if code & _BUFFERS and self._engine.consistency.barrier_free:  # join() is refused with these
+            self._pipeline_buffers()
             return
         with self.recorder.waiting("forward collectives"):
             if self._join_config.enable:
@@ -360,6 +369,17 @@ class PoseidonDDP(nn.Module, Joinable):
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
             if code & _BUFFERS:
                 self._sync_buffers(joined=False)
+
+    def _pipeline_buffers(self) -> None:
+        """Send rank 0's buffers as they are now; write those sent by the last synced training forward
+        into the module's buffers as they are now (unless one changed shape or dtype since: then this
+        rank keeps its own for one more step)."""
+        landing, self._buffers_in_flight = (self._buffers_in_flight,
+                                            BroadcastInFlight(self.module.buffers(), self._groups.data, self._staged, 0))
+        if landing is not None:
+            with self.recorder.waiting("forward collectives"):
+                self._engine.wait_for_peers("the broadcast of rank 0's buffers",
+                                            partial(landing.land, self.module.buffers()))
 
     def _syncs_buffers(self) -> bool:
         lockstep = self._engine is None or self._engine.consistency.lockstep  # SSP: ranks on their own clocks

@@ -24,6 +24,10 @@ native) owns what happens per parameter and per bucket inside a pass.
   buckets are learned, a pass is *deferred*: ``backward()`` returns while its jobs run, each layer's
   forward pre-hook waits for its bucket and copies its values in, and the pass *settles* (every job
   done, every value applied, closed) at the end of the next synced forward or at ``step()``;
+- a deferring policy (Pipe-SGD) defers every clean pass the same way; when it is ``barrier_free`` the
+  pass does not even wait for the facts: they are read when it drains, and a pass in which some ranks,
+  not all, raised (or got a late gradient) ends the engine there, on every rank, with a ``SyncError``
+  naming them (the others had stepped);
 - the consistency policy (``consistency.py``) decides when averages or values become visible; one that
   is not ``lockstep`` (SSP, asynchronous SGD: ``stale.py``) runs every rank on its own clock, so a pass
   knows only its own facts (no exchange) and the buckets are fused once, when the mode begins.
@@ -33,7 +37,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -107,14 +112,26 @@ class Pass:
 
 
 @dataclass(eq=False)
+class FactsExchange:
+    """Every rank's end-of-pass facts, one row each, in flight (``work`` None: this rank's only)."""
+
+    everyone: torch.Tensor
+    work: Any = None
+
+
+@dataclass(eq=False)
 class Deferred:
-    """A synced pass whose backward returned while its server jobs still run (parameter-server mode):
-    the new values of bucket i are applied when ``applied[i]``; the pass closes when it settles."""
+    """A synced pass whose backward returned while its jobs still run (parameter-server mode, Pipe-SGD):
+    the new values of bucket i are applied when ``applied[i]``; the pass closes when it settles. Under a
+    barrier-free policy its ``facts`` are read from ``exchange`` when it drains; ``error``: the pass ends
+    the engine then (some ranks had trouble in it while the others stepped)."""
 
     pass_: Pass
-    facts: PassFacts
+    facts: PassFacts | None
     applied: list[bool]
     versions: dict[int, int]  #: every parameter's version when backward returned
+    exchange: FactsExchange | None = None
+    error: SyncError | None = None
     drained: bool = False
 
 
@@ -418,35 +435,30 @@ class Engine:
         (no more gradients will arrive): exchange them while the last jobs run; wait for every job;
         close the pass. In parameter-server mode (buckets learned) and under a deferring consistency
         policy (Pipe-SGD), unless something was aborted or late, the jobs go on after ``backward()``
-        returns: the pass is deferred (see :meth:`drain`). Then the policy says what ``.grad`` holds."""
+        returns: the pass is deferred (see :meth:`drain`); a barrier-free policy does not wait for the
+        facts either. Then the policy says what ``.grad`` holds."""
         self.core.finish(p.aborted)
         for layer, bucket in self._fc_buckets():
             layer.note_pass_end(bucket)
-        mine = self.coordinator.facts(p.aborted, [self.core.late(b.index) for b in self.buckets],
-                                      [not self.core.done(b.index) for b in self.buckets])
-        if self.consistency.lockstep:
-            everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
-            exchange = self._control.start_small_all_gather(everyone, mine)
-            self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
-        else:  # ranks on their own clocks: each pass knows its own facts only
-            everyone, exchange, self._facts_bytes = mine.repeat(self.world_size), None, 0
+        late_here = [self.core.late(b.index) for b in self.buckets]
+        exchange = self._start_facts_exchange(
+            self.coordinator.facts(p.aborted, late_here, [not self.core.done(b.index) for b in self.buckets]))
         may_defer = not p.aborted and (self.server is not None and self._learned or self.consistency.defers)
+        if may_defer and self.consistency.barrier_free and not any(late_here):
+            self._defer(p, None, exchange)
+            return
         if not may_defer:
             self._wait_for_jobs(p)
-        if exchange is not None:
-            with self.recorder.waiting("facts"):
-                self._guarded(p, partial(_wait_exchange, exchange))
-        facts = self.coordinator.observe(everyone.view(self.world_size, -1), len(self.buckets))
+        facts = self._read_facts(p, exchange)
+        split = self._split_pass_error(facts)
+        if split is not None:  # raised when the pass settles, where the other ranks find it too
+            self._wait_for_jobs(p)
+            self._defer(p, facts, None, split)
+            return
         if self.server is not None:
             self.server.facts_known(facts.aborted)
         if may_defer and not facts.aborted and not any(facts.late):
-            self._deferred = Deferred(p, facts, [False] * len(self.buckets), {id(q): q._version for q in self.params})
-            with self._lock:
-                self._pass = None
-                if self._round is p.round:
-                    self._round = None
-                self._update_ask()
-            self.consistency.backward_returned(self.buckets, averaged=False)
+            self._defer(p, facts, None)
             return
         if may_defer:
             self._wait_for_jobs(p)
@@ -460,6 +472,52 @@ class Engine:
         if not (p.aborted or p.shadow):
             self.consistency.backward_returned(self.buckets, averaged=True)
 
+    def _start_facts_exchange(self, mine: torch.Tensor) -> FactsExchange:
+        if not self.consistency.lockstep:  # ranks on their own clocks: each pass knows its own facts only
+            self._facts_bytes = 0
+            return FactsExchange(mine.repeat(self.world_size))
+        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
+        self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
+        return FactsExchange(everyone, self._control.start_small_all_gather(everyone, mine))
+
+    def _read_facts(self, p: Pass, exchange: FactsExchange) -> PassFacts:
+        if exchange.work is not None:
+            with self.recorder.waiting("facts"):
+                self._guarded(p, partial(_collective_wait, "the end-of-pass facts exchange", exchange.work.wait))
+        return self.coordinator.observe(exchange.everyone.view(self.world_size, -1), len(self.buckets))
+
+    def _defer(self, p: Pass, facts: PassFacts | None, exchange: FactsExchange | None,
+               error: SyncError | None = None) -> None:
+        """``backward()`` returns with ``p``'s jobs (or only its close) still to come: see :meth:`drain`."""
+        self._deferred = Deferred(p, facts, [False] * len(self.buckets), {id(q): q._version for q in self.params},
+                                  exchange, error)
+        with self._lock:
+            self._pass = None
+            if self._round is p.round:
+                self._round = None
+            self._update_ask()
+        if error is None:
+            self.consistency.backward_returned(self.buckets, averaged=False)
+
+    def _split_pass_error(self, facts: PassFacts) -> SyncError | None:
+        """Under a barrier-free policy the ranks without trouble in a pass returned from its backward,
+        and stepped, before they could learn of the others' trouble: the pass can then neither be
+        skipped nor have its late gradients averaged on every rank. None unless some ranks, not all,
+        had trouble (or the policy has a barrier)."""
+        troubled = set(facts.aborted_ranks) | set(facts.late_ranks)
+        if not self.consistency.barrier_free or not troubled or len(troubled) == self.world_size:
+            return None
+        if facts.aborted_ranks:
+            what = f"the backward of rank(s) {', '.join(map(str, facts.aborted_ranks))} raised"
+        else:
+            what = (f"a gradient arrived after its bucket's sync on rank(s) {', '.join(map(str, facts.late_ranks))} "
+                    "only (reentrant checkpointing or a hook that runs backward again?)")
+        return SyncError(f"{what} in a step whose backward returned on the other ranks: with "
+                         f"delay={self.consistency.delay} (Pipe-SGD, no barrier per step) they learn of it only "
+                         "now, after their optimizer step, so that step cannot be skipped on every rank and the "
+                         "ranks' parameters may differ. PoseidonDDP cannot continue: resume from a checkpoint "
+                         "(delay=0 skips such a step on every rank)")
+
     def _wait_for_jobs(self, p: Pass) -> None:
         """Block until every sync job of ``p`` has run (traced as the training thread's wait)."""
         with self.recorder.waiting("jobs"):
@@ -467,6 +525,15 @@ class Engine:
 
     def _wait_jobs(self) -> None:
         raise_outcome(*self.core.wait(self.timeout))
+
+    def wait_for_peers(self, what: str, wait: Callable[[], object]) -> None:
+        """Wait for a collective the wrapper issued outside any pass; its failure (a peer gone) ends
+        the engine with a ``SyncError`` naming ``what``."""
+        try:
+            _collective_wait(what, wait)
+        except SyncError as exc:
+            self.failure = exc
+            raise
 
     def _guarded(self, p: Pass, wait) -> None:
         """Run ``wait``; a SyncError ends this engine (collectives may be half issued) and the pass. A
@@ -660,6 +727,12 @@ class Engine:
         if deferred is None or deferred.drained:
             return
         self._wait_for_jobs(deferred.pass_)
+        if deferred.facts is None:
+            deferred.facts = self._read_facts(deferred.pass_, deferred.exchange)
+            deferred.error = self._split_pass_error(deferred.facts)
+        if deferred.error is not None:
+            self.failure = deferred.error
+            raise deferred.error
         late = [index for index, applied in enumerate(deferred.applied) if not applied and self.server is not None]
         if output is not None and late and self.consistency.waits_per_layer:
             self._check_not_read(output, late)
@@ -904,8 +977,9 @@ class Engine:
             if self.failure is None:
                 with contextlib.suppress(SyncError):
                     self.finish_aborted_pass()
-            self.drain()
-            self._record_unsettled()
+            if self.failure is None:  # a failed engine has said so already, and its jobs may never end
+                self.drain()
+                self._record_unsettled()
         finally:
             self.core.close()
             if self.server is not None:
@@ -930,11 +1004,6 @@ def _leaves_of(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
-def _wait_exchange(exchange) -> None:
-    try:
-        exchange.wait()
-    except RuntimeError as exc:
-        raise SyncError(f"the end-of-pass facts exchange failed: {exc}") from exc
 
 
 class _Arm:
@@ -948,3 +1017,10 @@ class _Arm:
     def __call__(self, grad: torch.Tensor) -> None:
         if not self.engine.closed:
             self.engine._armed_by(self.round)
+
+
+def _collective_wait(what: str, wait: Callable[[], object]) -> None:
+    try:
+        wait()
+    except RuntimeError as exc:
+        raise SyncError(f"{what} failed: {exc}") from exc

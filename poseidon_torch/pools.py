@@ -82,7 +82,10 @@ class Collectives:
         self.backend.allreduce([tensor], _options(dist.AllreduceOptions, reduceOp=op)).wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        self.backend.broadcast([tensor], _options(dist.BroadcastOptions, rootRank=src, rootTensor=0)).wait()
+        self.start_broadcast(tensor, src).wait()
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        return self.backend.broadcast([tensor], _options(dist.BroadcastOptions, rootRank=src, rootTensor=0))
 
     def all_gather_objects(self, obj: object) -> list:
         """Every rank's ``obj`` (pickled), in rank order."""

@@ -3,7 +3,8 @@
 Invariants:
 - ``check_same_model`` raises the same :class:`ModelMismatchError` on every rank (all ranks see every
   rank's signature), so a mismatch never leaves one rank waiting in a collective;
-- ``broadcast_from`` overwrites the given tensors with one rank's values, one collective per dtype.
+- ``broadcast_from`` overwrites the given tensors with one rank's values, one collective per dtype;
+  ``BroadcastInFlight`` sends the values they have when it starts and never writes the sender's.
 """
 from __future__ import annotations
 
@@ -51,19 +52,53 @@ def _first_difference(ref, other, rank: int) -> str | None:
 def broadcast_from(tensors: Iterable[torch.Tensor], data: Collectives, staged: bool, src: int) -> None:
     """Overwrite ``tensors`` with the values of rank ``src``, one collective per dtype and device;
     ``staged`` sends device tensors through host memory."""
+    tensors = list(tensors)
+    BroadcastInFlight(tensors, data, staged, src).land(tensors)
+
+
+class BroadcastInFlight:
+    """Rank ``src``'s values of ``tensors`` as they are now, sent (one collective per dtype and device)
+    while the caller goes on; :meth:`land` waits for them and, on the other ranks, writes them into the
+    tensors given then (a module may have replaced its buffers meanwhile), when those have the layout
+    that was sent. Rank ``src``'s own tensors are never written."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor], data: Collectives, staged: bool, src: int) -> None:
+        self._receives = data.rank != src
+        self._parts = []
+        with torch.no_grad():
+            for kind_tensors in _by_kind(tensors).values():
+                flat = torch.cat([t.detach().reshape(-1) for t in kind_tensors])
+                wire = flat.cpu() if staged else flat
+                self._parts.append((_layout(kind_tensors), wire, data.start_broadcast(wire, src)))
+
+    def land(self, into: Iterable[torch.Tensor]) -> bool:
+        """Wait for the values; write them into ``into`` unless this rank sent them. False (nothing
+        written) where ``into`` is laid out differently from what was sent (a buffer changed shape or
+        dtype)."""
+        for _, _, work in self._parts:
+            work.wait()
+        targets = list(_by_kind(into).values())
+        if [_layout(t) for t in targets] != [layout for layout, _, _ in self._parts]:
+            return False
+        if self._receives:
+            for tensors, (_, wire, _) in zip(targets, self._parts):
+                _unflatten_into(tensors, wire)
+        return True
+
+
+def _by_kind(tensors: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
-    for kind_tensors in by_kind.values():
-        _broadcast_coalesced(kind_tensors, data, staged, src)
+    return by_kind
 
 
-def _broadcast_coalesced(tensors: Sequence[torch.Tensor], data: Collectives, staged: bool, src: int) -> None:
+def _layout(tensors: Sequence[torch.Tensor]) -> tuple:
+    return tensors[0].dtype, tensors[0].device, tuple(t.shape for t in tensors)
+
+
+def _unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        wire = flat.cpu() if staged else flat
-        data.broadcast(wire, src)
-        flat = wire.to(flat.device) if staged else wire
         offset = 0
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -2,6 +2,7 @@
 SGD they are compared with."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -26,9 +27,9 @@ def train_delayed(rank: int, world_size: int, spec: ModelSpec, delay: int | None
                   optimizer: str = "sgd", options: dict | None = None, skip: int | None = None,
                   accumulate: int = 1) -> dict:
     """PoseidonDDP training (``delay=None``: the argument left out); the final state, ``.grad`` after
-    every backward, and the paths the buckets took. ``skip``: at that step the last rank's backward
-    raises, and every rank skips the step (the others must get a SyncError). ``accumulate``: micro-batches
-    per step, all but the last under ``no_sync()``."""
+    every backward, and the paths the buckets took. ``skip``: at that step every rank's backward raises
+    and every rank skips the step. ``accumulate``: micro-batches per step, all but the last under
+    ``no_sync()``."""
     model = build(spec, seed=spec.seed)
     extra = {} if delay is None else {"delay": delay}
     wrapped = PoseidonDDP(model, timeout=60, **extra, **poseidon_options(model, options))
@@ -43,9 +44,8 @@ def train_delayed(rank: int, world_size: int, spec: ModelSpec, delay: int | None
         x, y = batch(spec, step * accumulate + accumulate - 1, size, world_size)
         out = wrapped(shard(x, rank, size), use_side=spec.rank0_branch and rank == 0)
         loss = F.mse_loss(out, shard(y, rank, size))
-        if step == skip:
-            if rank == world_size - 1:  # after the wrapper's own hook on its output: the backward is synced
-                out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("bad batch")))
+        if step == skip:  # after the wrapper's own hook on its output: the backward is synced
+            out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("bad batch")))
             try:
                 loss.backward()
             except (ValueError, SyncError) as exc:
@@ -375,8 +375,95 @@ def raise_in_last_step(rank: int, world_size: int, delay: int) -> dict:
             outcome = f"{type(exc).__name__}: {exc}"
         waited = time.monotonic() - start
         opt.step()
+    start = time.monotonic()
+    try:
+        wrapped.close()
+        closed = ""
+    except SyncError as exc:
+        closed = f"SyncError: {exc}"
+    return {"outcome": outcome, "waited_s": waited, "closed": closed, "close_s": time.monotonic() - start}
+
+
+def raise_alone(rank: int, world_size: int, delay: int) -> list[tuple[int, str, str]]:
+    """The last rank's backward raises at step 2 and every rank catches what it gets, as a loop that
+    skips bad batches would; (step, where, what) of every exception, until the engine refuses to go on."""
+    spec = ModelSpec(widths=(6,))
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=30, delay=delay)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    events = []
+    for step in range(5):
+        opt.zero_grad()
+        x, y = batch(spec, step, 2, world_size)
+        where = "forward"
+        try:
+            out = wrapped(shard(x, rank, 2))
+            if step == 2 and rank == world_size - 1:
+                out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("bad batch")))
+            where = "backward"
+            F.mse_loss(out, shard(y, rank, 2)).backward()
+            opt.step()
+        except (ValueError, SyncError) as exc:
+            events.append((step, where, f"{type(exc).__name__}: {exc}"))
+            if str(exc).startswith("PoseidonDDP cannot continue after a failed sync"):
+                break
+    with contextlib.suppress(SyncError):
+        wrapped.close()
+    return events
+
+
+def late_rank(rank: int, world_size: int, delay: int, seconds: float) -> dict:
+    """A BatchNorm CNN; the last rank sleeps ``seconds`` before its forward at step 2. Rank by rank:
+    how long step 2 (forward to optimizer step) took, and the final state."""
+    spec = ModelSpec(conv_channels=(4,), batchnorm=True)
+    model = build(spec, seed=spec.seed)
+    wrapped = PoseidonDDP(model, timeout=60, delay=delay)
+    opt = make_optimizer("sgd", model.parameters())
+    step_s = []
+    for step in range(5):
+        opt.zero_grad()
+        x, y = batch(spec, step, 2, world_size)
+        if step == 2 and rank == world_size - 1:
+            time.sleep(seconds)
+        start = time.monotonic()
+        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+        opt.step()
+        step_s.append(time.monotonic() - start)
     wrapped.close()
-    return {"outcome": outcome, "waited_s": waited}
+    return {"step_s": step_s, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+class _WithMean(torch.nn.Module):
+    """A model that keeps a running mean of its outputs in a buffer it *replaces* in every forward."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("output_mean", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        self.output_mean = 0.9 * self.output_mean + 0.1 * out.detach().mean(0)
+        return out
+
+
+def buffers_at_forward(rank: int, world_size: int, delay: int, replaced: bool = False) -> list[dict[str, torch.Tensor]]:
+    """The buffers (BatchNorm's running statistics; with ``replaced`` also a buffer the forward replaces
+    instead of updating in place) each synced training forward starts from."""
+    spec = ModelSpec(conv_channels=(4,), batchnorm=True)
+    model = build(spec, seed=spec.seed)
+    model = _WithMean(model) if replaced else model
+    seen = []
+    model.register_forward_pre_hook(lambda m, _: seen.append({k: b.clone() for k, b in m.named_buffers()}))
+    wrapped = PoseidonDDP(model, timeout=60, delay=delay)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        opt.zero_grad()
+        x, y = batch(spec, step, 2, world_size)
+        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+        opt.step()
+    wrapped.close()
+    return seen
 
 
 def server_final_model(rank: int, world_size: int, delay: int) -> dict:
@@ -444,3 +531,42 @@ def server_resume_order(rank: int, world_size: int, order: str) -> dict:
     resumed = dict(wrapped.consistency_state_dict()["held"][-1][1])
     wrapped.close()
     return {"straight": straight, "resumed": resumed, "errors": errors}
+
+
+def late_gradient_delayed(rank: int, world_size: int, delay: int) -> dict:
+    """A layer used inside a reentrant checkpoint and outside it, so on every rank part of its gradient
+    arrives after its bucket's sync: the parameters after 4 steps, and whether that happened."""
+    from patterns import SharedInCheckpoint, data
+
+    model = SharedInCheckpoint()
+    wrapped = PoseidonDDP(model, timeout=60, delay=delay, hybrid=False, fusion_bytes=0)
+    opt = make_optimizer("sgd", model.parameters())
+    late = []
+    for step in range(4):
+        opt.zero_grad()
+        x, y = data(step, rank, n_in=6)
+        F.mse_loss(wrapped(x), y).backward()
+        late.append(any(wrapped.engine.core.late(b.index) for b in wrapped.engine.buckets))
+        opt.step()
+    wrapped.close()
+    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "late": late}
+
+
+def reference_late_gradient(delay: int, world_size: int) -> dict[str, torch.Tensor]:
+    """:func:`late_gradient_delayed`'s model under k-delayed SGD in one process, on every rank's data."""
+    from patterns import SharedInCheckpoint, data
+
+    model = SharedInCheckpoint()
+    params = list(model.parameters())
+    opt = make_optimizer("sgd", params)
+    in_flight = []
+    for step in range(4):
+        opt.zero_grad()
+        batches = [data(step, r, n_in=6) for r in range(world_size)]
+        (sum(F.mse_loss(model(x), y) for x, y in batches) / world_size).backward()
+        in_flight.append([p.grad for p in params])
+        due = in_flight.pop(0) if len(in_flight) > delay else [None] * len(params)
+        for p, g in zip(params, due):
+            p.grad = g
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}

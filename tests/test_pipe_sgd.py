@@ -103,15 +103,77 @@ def test_checkpoint_carries_the_gradients_in_flight(cluster, k, opt):
             assert torch.equal(result["resumed"][name], value), f"rank {rank}: {name} after resuming"
 
 
-def test_a_rank_raising_in_backward_drops_that_step_everywhere(cluster):
-    """The last rank's backward raises at step 2: it gets its own error, every other rank a SyncError;
-    all skip the step, the pipeline stays the same on every rank, and training continues as k-delayed
-    SGD without that step."""
+def test_every_rank_raising_in_backward_drops_that_step_everywhere(cluster):
+    """Every rank's backward raises at step 2 (a check every rank runs): all skip the step, the pipeline
+    stays the same on every rank, and training continues as k-delayed SGD without that step."""
     spec = ModelSpec(widths=(8, 5))
     results = cluster.run(dw.train_delayed, spec, 1, 6, 3, "sgd", {}, 2)
-    for rank, result in enumerate(results):
-        assert result["errors"] == ["ValueError" if rank == cluster.world_size - 1 else "SyncError"], result["errors"]
+    for result in results:
+        assert result["errors"] == ["ValueError"], result["errors"]
     assert_delayed_parity(results, dw.reference_delayed(spec, 1, 6, 3, cluster.world_size, skip=2), "skip")
+
+
+def test_one_rank_raising_in_backward_ends_training_everywhere_with_its_name(cluster):
+    """With no barrier per step the other ranks return from that backward and step before they can
+    learn of the exception, so the step cannot be skipped everywhere: every rank gets a SyncError naming
+    the raising rank at its next forward (the raising rank after its own exception), and the engine
+    refuses to go on after it."""
+    last = cluster.world_size - 1
+    for rank, events in enumerate(cluster.run(dw.raise_alone, 1)):
+        own = [(2, "backward")] if rank == last else []
+        assert [(step, where) for step, where, _ in events] == own + [(3, "forward"), (4, "forward")], events
+        named = events[-2][2]
+        assert named.startswith("SyncError") and f"rank(s) {last} raised" in named and "delay=1" in named, named
+        assert "cannot continue after a failed sync" in events[-1][2], events
+
+
+def test_a_gradient_late_on_every_rank_is_averaged_whole_one_step_late(cluster):
+    """Reentrant checkpointing makes part of a layer's gradient arrive after its bucket's sync, on every
+    rank: that pass is not deferred (every rank knows at once), is averaged whole and handed out k steps
+    later, as k-delayed SGD."""
+    results = cluster.run(dw.late_gradient_delayed, 1)
+    reference = dw.reference_late_gradient(1, cluster.world_size)
+    for rank, result in enumerate(results):
+        assert all(result["late"][1:]), (rank, result["late"])  # it happened (from the learned buckets on)
+        for name, value in reference.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_late_rank_holds_the_others_back_only_under_bsp(cluster, delay):
+    """The last rank starts step 2 a second late. Under BSP the others wait for it within that step (the
+    buffers' broadcast, the facts, the sync); with delay=1 nothing in step t waits for another rank, so
+    their step 2 takes what it takes alone. The parameters stay those of k-delayed SGD on every rank."""
+    results = cluster.run(dw.late_rank, delay, 1.0)
+    for rank, result in enumerate(results[:-1]):
+        if delay:
+            assert result["step_s"][2] < 0.5, (rank, result["step_s"])
+        else:
+            assert result["step_s"][2] >= 0.9, (rank, result["step_s"])
+    spec = ModelSpec(conv_channels=(4,), batchnorm=True)
+    assert_delayed_parity(results, dw.reference_delayed(spec, delay, 5, 2, cluster.world_size), f"delay={delay}")
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+@pytest.mark.parametrize("replaced", [False, True], ids=["in-place", "replaced"])
+def test_buffers_come_from_rank_0_one_step_late_under_pipe_sgd(cluster, delay, replaced):
+    """The buffers as each synced forward starts (BatchNorm's running statistics, updated in place, and
+    a buffer the model replaces in every forward): under BSP every rank's are rank 0's of this forward
+    (torch DDP's broadcast); with delay=1 they are rank 0's of the forward before (sent then, landed
+    now, into the buffers the module holds now), and rank 0's own evolve as they would alone."""
+    seen = cluster.run(dw.buffers_at_forward, delay, replaced)
+    rank0 = seen[0]
+    moving = ["inner.features.1.running_mean", "output_mean"] if replaced else ["features.1.running_mean"]
+    for name in moving:
+        assert not torch.equal(rank0[1][name], rank0[2][name]), name
+    for rank in range(1, cluster.world_size):
+        for step, buffers in enumerate(seen[rank]):
+            source = rank0[max(step - delay, 0)]
+            for name, value in buffers.items():
+                assert torch.equal(value, source[name]), f"rank {rank}, forward {step}: {name}"
+            if delay and step:
+                assert not any(torch.equal(buffers[name], rank0[step][name]) for name in moving)
 
 
 @pytest.mark.parametrize("force", [None, "SFB"])
@@ -212,6 +274,8 @@ def test_an_exception_in_the_last_step_is_named_at_once(cluster, delay):
     for rank, result in enumerate(results):
         if rank == last:
             assert result["outcome"].startswith("ValueError"), result
+        elif delay:  # the others' backward returned; their close() finds it
+            assert f"rank(s) {last}" in result["closed"] and result["close_s"] < 20, result
         else:
             assert f"rank(s) {last}" in result["outcome"] and result["waited_s"] < 20, result
 
