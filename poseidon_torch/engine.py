@@ -38,9 +38,9 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
