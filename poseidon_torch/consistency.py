@@ -102,7 +102,8 @@ class BSP:
     waits_per_layer = True  #: the per-layer forward waits of lazy pulls apply
     lockstep = True  #: every rank takes part in every step's collectives (the facts, buffers, learning)
     #: no barrier per step: a deferred pass's end-of-pass facts are read when it settles (not before
-    #: ``backward()`` returns) and rank 0's buffers land at the end of the forward that sent them
+    #: ``backward()`` returns) and rank 0's buffers, sent as a synced forward starts, land as the next
+    #: one starts
     barrier_free = False
     #: a policy that is not ``lockstep`` cannot learn buckets from a common step: its buckets are fused
     #: once, in reverse registration order, up to this many bytes besides the largest layer (or the

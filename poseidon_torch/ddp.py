@@ -25,8 +25,8 @@ import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch

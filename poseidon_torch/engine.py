@@ -1004,8 +1004,6 @@ def _leaves_of(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
-
-
 class _Arm:
     """The gradient hook on a synced forward's outputs: this backward syncs."""
 
