@@ -88,9 +88,14 @@ class Bucket:
         self.sync_seconds = 0.0  #: how long the bucket's last sync job took
         self.outcome = ""  #: how its last sync went: "PS", "SFB", or "SFB->PS" (exactness fallback)
         self.missing: list[int] = []  #: positions staged without their zeros (see :meth:`stage`)
-        self.ready_event = self.done_event = None
+        #: CUDA: recorded on the training stream when the gradients are complete / on the side stream
+        #: after the sync job; with a host buffer also when the staging copies are done (`staged`) and
+        #: after the averages were copied back into ``.grad`` (`scattered`)
+        self.ready_event = self.done_event = self.staged_event = self.scattered_event = None
         if self.device.type == "cuda":
             self.ready_event, self.done_event = torch.cuda.Event(), torch.cuda.Event()
+            if self.flat.device != self.device:
+                self.staged_event, self.scattered_event = torch.cuda.Event(), torch.cuda.Event()
 
     @property
     def name(self) -> str:
@@ -125,12 +130,16 @@ class Bucket:
         listed in :attr:`missing` (:meth:`fill_missing` zeroes them if they are ever read: an SFB layer
         needs its ``.grad`` only when it falls back to PS)."""
         self.missing = []
+        if self.scattered_event is not None:  # the last averages must have left the host buffer first
+            self.scattered_event.synchronize()
         if shadow:
             self.flat.zero_()
             return
         for j, (p, piece) in enumerate(self.views()):
             if p.grad is not None:
                 piece.copy_(p.grad, non_blocking=True)
+                if p.grad.is_cuda:  # read on a side stream: the allocator must not hand it out before
+                    p.grad.record_stream(torch.cuda.current_stream(self.device))
             elif defer_zeros:
                 self.missing.append(j)
             else:
@@ -152,8 +161,14 @@ class Bucket:
         flags = self.flat[self.grad_numel:]
         flags[:-1].copy_(self.seen | self.dirty, non_blocking=True)
         flags[-1] = USED if aborted else 0.0
-        if self.flat.device != self.device:  # staged through host memory: gloo reads it next
-            torch.cuda.current_stream(self.device).synchronize()
+        if self.staged_event is not None:  # the copies run on; :meth:`wait_staged` before gloo reads them
+            self.staged_event.record(torch.cuda.current_stream(self.device))
+
+    def wait_staged(self) -> None:
+        """Block until :meth:`stage`'s device-to-host copies have landed (no-op unless staged through a
+        host buffer): call before anything on the CPU reads the buffer."""
+        if self.staged_event is not None:
+            self.staged_event.synchronize()
 
     def begin_pass(self) -> None:
         """A pass opens: a dirty parameter whose ``.grad`` the user has since set to None (``zero_grad()``
@@ -183,6 +198,8 @@ class Bucket:
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             p.grad.copy_(averaged, non_blocking=True)
+        if self.scattered_event is not None:
+            self.scattered_event.record(torch.cuda.current_stream(self.device))
         self.dirty &= ~self.used_anywhere.bool()
 
 

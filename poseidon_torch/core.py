@@ -41,6 +41,7 @@ import torch
 
 from .barrier import BSPBarrier, SyncError, SyncTimeout
 from .bucket import Bucket
+from .graph import grad_accumulator
 from .kvstore import PSPath
 from .pools import ChannelGroups, SyncChannel
 from .schedule import ChannelPlan
@@ -72,7 +73,6 @@ class PythonCore:
     """The reference core: Python hooks, Python channel threads, every job run by ``run_job``."""
 
     kind = "python"
-    python_hooks_per_param = 1  #: the post-accumulate-grad hook that counts readiness
 
     def __init__(self, params: Sequence[torch.nn.Parameter], channels: Sequence[ChannelGroups],
                  run_job: Callable[[int], None], on_idle: Callable[[int], None], stage: Callable[[int], None],
@@ -91,8 +91,9 @@ class PythonCore:
         self._began_ns = 0
         self.barrier = BSPBarrier(lambda key: f"bucket {self._buckets[self._plan.bucket_of(key)].name!r}")
         self._channels = [SyncChannel(i, groups, self._job, self.barrier.fail) for i, groups in enumerate(channels)]
-        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._accumulated, i))
-                       for i, p in enumerate(self._params)]
+        # on the accumulator nodes, as the native core's: they fire after every post-accumulate-grad hook
+        self._accumulators = [grad_accumulator(p) for p in self._params]
+        self._hooks = [acc.register_hook(partial(self._accumulated, i)) for i, acc in enumerate(self._accumulators)]
 
     # ---- configuration (between passes) ---------------------------------------------------------
 
@@ -219,7 +220,7 @@ class PythonCore:
 
     # ---- internals ------------------------------------------------------------------------------
 
-    def _accumulated(self, param: int, _tensor: torch.Tensor) -> None:
+    def _accumulated(self, param: int, _grad_inputs, _grad_outputs) -> None:
         if self._open:
             self.arrive_param(param)
         elif self._ask:
@@ -245,9 +246,9 @@ class PythonCore:
 
     def _submit(self, index: int) -> None:
         b = self._buckets[index]
-        self._stage(index)
-        if b.ready_event is not None:
+        if b.ready_event is not None:  # on the training stream, behind the kernels that wrote .grad
             b.ready_event.record()
+        self._stage(index)
         self._ready[index].submit_ns = time.monotonic_ns()
         self._channel_of[index].submit(index)
 
@@ -265,7 +266,6 @@ class NativeCore:
     job through ``run_job`` (with the GIL)."""
 
     kind = "native"
-    python_hooks_per_param = 0  #: its hooks sit on the gradient accumulators, in C++
 
     def __init__(self, params: Sequence[torch.nn.Parameter], channels: Sequence[ChannelGroups],
                  run_job: Callable[[int], None], on_idle: Callable[[int], None], stage: Callable[[int], None],

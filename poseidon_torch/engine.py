@@ -192,7 +192,6 @@ class Engine:
                          record_order=self.rank == 0)
         for layer in self.fc.values():
             layer.on_factors = self._on_factors
-            layer.engine_hooks = self.core.python_hooks_per_param
         self._round: Round | None = None
         self._latest_forward_synced = False
         recorder.layout = self.layout
@@ -569,6 +568,7 @@ class Engine:
         for bucket in late:  # a gradient arrived after its bucket's sync: average what .grad holds now
             ctx = SyncContext(PS, p.task, p.aborted, p.shadow)
             self._ps.stage(bucket, ctx)
+            bucket.wait_staged()
             if drive(self._ps.sync(bucket, self._channels[0], ctx)):
                 grads.scatter(bucket)
         self._update_stats(p, late)
@@ -804,6 +804,8 @@ class Engine:
         after = bucket.done_event if second else bucket.ready_event  # CUDA: a second slot follows its first
         with torch.profiler.record_function(self._profile_names[index, slot.ctx.path]), \
                 self._device_stream(after, channel) as stream:
+            if not second:
+                bucket.wait_staged()
             if key == self.plan.first_second_slot:
                 self.server.before_updates(self._channels[channel], len(self.buckets), self.timeout)
             phases = slot.halves.second() if second else slot.phases
@@ -835,7 +837,8 @@ class Engine:
         """Bucket ``index`` is being submitted, on the thread that made it ready: what its path's job will
         read of ``.grad``, into its flat buffer (the core's call; no job ever reads ``.grad``)."""
         bucket, ctx = self.buckets[index], self._context_of(index)
-        self._path(bucket, ctx.path).stage(bucket, ctx)
+        with self._device_stream(bucket.ready_event, self.plan.channel_of(index)):  # CUDA: copies on a side stream
+            self._path(bucket, ctx.path).stage(bucket, ctx)
 
     def _first_slot(self, index: int, channel: int) -> _Slot:
         """The phases of bucket ``index``'s job this pass (up to the update when the plan splits it)."""

@@ -1,4 +1,9 @@
-"""Gradient hooks on forward outputs that survive what user code does to those outputs.
+"""Where in the autograd graph the engine hooks: parameters' gradient accumulators, and forward outputs
+in a way that survives what user code does to them.
+
+A parameter is ready when a hook on its accumulator node (:func:`grad_accumulator`) fires: torch runs
+node hooks after the accumulation *and* after every post-accumulate-grad hook of the parameter, also
+those registered after the engine's, so what the engine reads of ``.grad`` is what those hooks left.
 
 torch drops a tensor hook registered on a *view* when the view is later modified in place (autograd
 regenerates the view's ``grad_fn``), e.g. ``F.relu(linear(x3d), inplace=True)``: ``F.linear`` on a 3-D
@@ -10,7 +15,15 @@ Invariant: the tensor returned carries a gradient exactly when a backward runs t
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
+from torch.autograd.graph import Node
+
+
+def grad_accumulator(p: Tensor) -> Node:
+    """The node that accumulates leaf ``p``'s gradient (hold it: torch keeps it only while referenced)."""
+    with torch.enable_grad():
+        return p.view_as(p).grad_fn.next_functions[0][0]
 
 
 def hook_target(t: Tensor, *, same_elements: bool) -> Tensor | None:

@@ -143,8 +143,8 @@ class BucketShard:
         piece i (None: not stepped) and the hyperparameters ``hyper`` (per user param group)."""
         if self.inner is None:
             return
-        for piece, grad in zip(self.pieces, grads):
-            piece.tensor.grad = grad
+        for piece, grad in zip(self.pieces, grads):  # a GPU model's gradients arrive in host memory over gloo
+            piece.tensor.grad = None if grad is None else grad.to(piece.tensor.device)
         for inner_group, g in zip(self.inner.param_groups, self.groups):
             inner_group.update(hyper[g])
         if any(grad is not None for grad in grads):

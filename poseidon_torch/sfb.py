@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from .bucket import USED, Bucket, Layer
-from .graph import hook_target
+from .graph import grad_accumulator, hook_target
 from .kvstore import PSPath
 from .pools import ChannelGroups
 
@@ -257,7 +257,6 @@ class FCLayer:
         self.k_round = 0     #: rows of this round's calls inside the wrapper's synced forwards
         self.sticky = 0      #: facts that keep the layer off SFB, see CREATE_GRAPH and friends
         self.on_factors: Callable[[FCLayer, Tensor], None] | None = None
-        self.engine_hooks = 0  #: post-accumulate-grad hooks the engine's core keeps on each parameter
         self._in_forward, self._in_synced_forward = in_forward, in_synced_forward
         #: uses a backward reached, held until their sync job consumed them: in parameter-server mode
         #: the job may run after backward() returned and the graph (which holds the uses) is gone.
@@ -274,8 +273,7 @@ class FCLayer:
         self.local: tuple[Tensor, ...] | None = None
         self._witness: Tensor | None = None
         self._calls: list[bool | None] = []
-        with torch.enable_grad():
-            self.accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in self.params]
+        self.accumulators = [grad_accumulator(p) for p in self.params]
         self._handles = [module.register_forward_pre_hook(EngineHook(self._before_call)),
                          module.register_forward_hook(EngineHook(self._after_call))]
 
@@ -355,8 +353,7 @@ class FCLayer:
             self.sticky |= GRAD_CALL
 
     def _hooked(self) -> bool:
-        return any(p._backward_hooks or len(p._post_accumulate_grad_hooks or ()) > self.engine_hooks
-                   for p in self.params)
+        return any(p._backward_hooks or p._post_accumulate_grad_hooks for p in self.params)
 
     def _swap_in(self) -> None:
         if self._witness is None:
@@ -436,7 +433,7 @@ class FCLayer:
             for hook in (p._backward_hooks or {}).values():
                 result = hook(grad)
                 grad = grad if result is None else result
-            views[p] += grad
+            views[p] += grad.to(views[p].device)  # a GPU layer staged through host memory (gloo)
             bucket.flat[bucket.grad_numel + bucket.position[id(p)]] = USED  # not ``seen``: autograd's alone
             local.append(grad)
         self.local = tuple(local)
@@ -453,6 +450,8 @@ class FCLayer:
         """``.grad += grads`` (the training thread, at the end of a backward)."""
         for p, grad in zip(self.params, grads):
             grad = grad.to(p.dtype)
+            if grad.is_cuda:  # made on a side stream, used (and freed) on this one from now on
+                grad.record_stream(torch.cuda.current_stream(grad.device))
             if p.grad is None:
                 p.grad = grad
             else:
@@ -566,7 +565,9 @@ class SFBPath:
         if ctx.shadow or k_max == 0:  # no rank used the layer: its gradients stay untouched, as in DDP
             return k_max > 0
         yield "rebuild"
-        layer.average = tuple(g.to(bucket.device) for g in rebuild_gradients(got.u, got.v, self.world_size, layer.spec))
+        # on the layer's device (a GPU rebuilds on the channel's side stream, not on the sync thread's CPU)
+        layer.average = rebuild_gradients(got.u.to(bucket.device), got.v.to(bucket.device), self.world_size,
+                                          layer.spec)
         return True
 
 

@@ -106,6 +106,15 @@ def test_sfb_layers_stay_exact_in_real_training_patterns(cluster, pattern):
     assert_paths(results, SFB_PATTERNS[pattern])
 
 
+@pytest.mark.parametrize("pattern", ["weight_hook", "post_accumulate_hook"])
+def test_hooks_registered_after_wrapping_act_before_the_sync_on_the_python_core(cluster, pattern):
+    """The engine learns a parameter is ready only after every hook of its accumulation ran, also hooks
+    registered after it (the native core by construction; the Python core runs every GPU model)."""
+    results = cluster.run(patterns.sfb_pattern, pattern, timeout=60, env={"POSEIDON_ENGINE": "python"})
+    assert_exact(results, tol=5e-6)
+    assert_paths(results, SFB_PATTERNS[pattern])
+
+
 def test_autograd_grad_gives_local_gradients_or_fails_on_every_rank(cluster):
     """autograd.grad for the parameters returns the local gradients, as with DDP, when the loop asks
     for them from the first step (the layers then never go to SFB). Asked first while layers are on
@@ -247,7 +256,7 @@ def test_torch_ddp_arguments_are_taken(cluster):
         assert any(name in note for note in results[0]["notes"]), (name, results[0]["notes"])
     assert all(r["notes"] == [] for r in results[1:])
     for r in results:
-        assert "device_ids" in r["refused"]["device_ids"] and "cpu" in r["refused"]["device_ids"]
+        assert "device_ids" in r["refused"]["device_ids"] and r["module_device"] in r["refused"]["device_ids"]
         assert "output_device" in r["refused"]["output_device"]
         assert "mixed_precision" in r["refused"]["mixed_precision"]
         assert "delay_all_reduce_named_params" in r["refused"]["delay_all_reduce_named_params"]
