@@ -73,6 +73,8 @@ class Coordinator:
         self.fc = dict(sorted(fc.items()))
         self.world_size, self.link, self.gemm_flops = world_size, link, gemm_flops
         self.overrides = dict(overrides or {})
+        if world_size == 1:  # nothing to gather: a script's SFB override for P ranks means PS in a world of one
+            self.overrides = {name: PS if path == SFB else path for name, path in self.overrides.items()}
         self.k_max = {name: 0 for name in self.fc}
         #: per FC layer, its largest K in the last pass it was watched (alone in its bucket): what the
         #: trace's layout tells the simulator of layers later fused with others

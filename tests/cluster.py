@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
+import placement
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -44,12 +46,13 @@ def _serve(rank: int, world_size: int, port: int, jobs, results) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    placement.place_rank(rank)
     while (job := jobs.get()) is not None:
         fn, args, env = job
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:
-            results.put(RankOutcome(rank, True, fn(rank, world_size, *args)))
+            results.put(RankOutcome(rank, True, placement.to_host(fn(rank, world_size, *args))))
         except BaseException:
             results.put(RankOutcome(rank, False, traceback.format_exc()))
         finally:

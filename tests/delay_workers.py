@@ -8,6 +8,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import placement
 from models import ModelSpec, batch, build
 from poseidon_torch import PoseidonDDP, SyncError
 from workers import OPTIMIZER, poseidon_options, shard
@@ -452,7 +453,7 @@ def buffers_at_forward(rank: int, world_size: int, delay: int, replaced: bool = 
     instead of updating in place) each synced training forward starts from."""
     spec = ModelSpec(conv_channels=(4,), batchnorm=True)
     model = build(spec, seed=spec.seed)
-    model = _WithMean(model) if replaced else model
+    model = _WithMean(model).to(placement.DEVICE) if replaced else model
     seen = []
     model.register_forward_pre_hook(lambda m, _: seen.append({k: b.clone() for k, b in m.named_buffers()}))
     wrapped = PoseidonDDP(model, timeout=60, delay=delay)

@@ -8,6 +8,8 @@ import torch
 from hypothesis import strategies as st
 from torch import nn
 
+import placement
+from placement import on_device
 from poseidon_torch import register_fc
 
 
@@ -101,7 +103,7 @@ class Net(nn.Module):
 
 def build(spec: ModelSpec, seed: int) -> Net:
     torch.manual_seed(seed)
-    return Net(spec)
+    return Net(spec).to(placement.DEVICE)
 
 
 def batch(spec: ModelSpec, step: int, size: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +111,7 @@ def batch(spec: ModelSpec, step: int, size: int, world_size: int) -> tuple[torch
     g = torch.Generator().manual_seed(1000 * spec.seed + step)
     x = torch.randn(spec.input_shape(size * world_size), generator=g)
     y = torch.randn(spec.target_shape(size * world_size), generator=g)
-    return x, y
+    return on_device(x, y)
 
 
 @st.composite

@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import placement
+from placement import on_device
 from poseidon_torch import PoseidonDDP
 
 def slow_link():
@@ -39,6 +41,7 @@ class MLP(nn.Module):
         self.fc1 = nn.Linear(n_in, hidden)
         self.side = nn.Linear(hidden, hidden)
         self.head = nn.Linear(hidden, n_out)
+        self.to(placement.DEVICE)
 
     def forward(self, x: torch.Tensor, use_side: bool = False, inplace: bool = False) -> torch.Tensor:
         h = F.relu(self.fc1(x), inplace=True) if inplace else torch.tanh(self.fc1(x))
@@ -49,7 +52,7 @@ class MLP(nn.Module):
 
 def data(step: int, rank: int, rows: int = 4, n_in: int = 12, n_out: int = 3, salt: int = 0):
     g = torch.Generator().manual_seed(10_000 * salt + 100 * step + rank)
-    return torch.randn(rows, n_in, generator=g), torch.randn(rows, n_out, generator=g)
+    return on_device(torch.randn(rows, n_in, generator=g), torch.randn(rows, n_out, generator=g))
 
 
 def grads_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -91,7 +94,7 @@ def fingerprint(tensors: dict) -> str:
     for name, t in sorted(tensors.items()):
         digest.update(name.encode())
         if t is not None:
-            digest.update(t.detach().float().contiguous().numpy().tobytes())
+            digest.update(t.detach().float().contiguous().cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -131,7 +134,7 @@ def simple_step(rank: int) -> Callable:
 
 def wrap(module: nn.Module, **options) -> PoseidonDDP:
     options.setdefault("timeout", 30)
-    return PoseidonDDP(module, **options)
+    return PoseidonDDP(module.to(placement.DEVICE), **options)
 
 
 def sfb_options(*names: str) -> dict:
@@ -273,7 +276,7 @@ class _null:
 
 def sfb_pattern(rank: int, world_size: int, pattern: str) -> dict:
     model = wrap(MLP(), link=slow_link(), **sfb_options("fc1", "side", "head"))
-    mask = (torch.rand(16, 12, generator=torch.Generator().manual_seed(3)) > 0.5).float()
+    mask = on_device((torch.rand(16, 12, generator=torch.Generator().manual_seed(3)) > 0.5).float())
 
     def step(m, module, i):
         x, y = data(i, rank)
@@ -421,6 +424,7 @@ class MixedDtype(nn.Module):
         self.fc1 = nn.Linear(12, 16).to(torch.bfloat16)
         self.norm = nn.LayerNorm(16)
         self.head = nn.Linear(16, 3).to(torch.bfloat16)
+        self.to(placement.DEVICE)
 
     def forward(self, x):
         h = self.norm(self.fc1(x.to(torch.bfloat16)).float())
@@ -446,6 +450,7 @@ class HalfMLP(nn.Module):
         self.dtype = dtype
         self.fc1 = nn.Linear(12, 3 if big else 16, bias=not big).to(dtype)
         self.head = nn.Identity() if big else nn.Sequential(nn.Tanh(), nn.Linear(16, 3).to(dtype))
+        self.to(placement.DEVICE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.fc1(x.to(self.dtype))).float()
@@ -512,6 +517,7 @@ class Checkpointed(nn.Module):
         self.fc1 = nn.Linear(12, 16)
         self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
         self.head = nn.Linear(16, 3)
+        self.to(placement.DEVICE)
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
@@ -537,6 +543,7 @@ class SharedInCheckpoint(nn.Module):
         self.init_args = ()
         torch.manual_seed(0)
         self.fc1, self.shared, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.to(placement.DEVICE)
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
@@ -744,7 +751,10 @@ def ddp_arguments(rank: int, world_size: int) -> dict:
     from poseidon_torch.compat import NOT_NEEDED
 
     out: dict = {"refused": {}, "accepted": {}, "notes": []}
-    refused = {"device_ids": {"device_ids": [0]}, "output_device": {"output_device": 0},
+    # a device the module is not on (on the CPU any device id; on a GPU another index than its own)
+    elsewhere = 0 if placement.DEVICE.type == "cpu" else placement.DEVICE.index + 1
+    out["module_device"] = str(placement.DEVICE)
+    refused = {"device_ids": {"device_ids": [elsewhere]}, "output_device": {"output_device": elsewhere},
                "mixed_precision": {"mixed_precision": object()},
                "delay_all_reduce_named_params": {"delay_all_reduce_named_params": []},
                "bucket_cap_mb": {"bucket_cap_mb": 1.0, "fusion_bytes": 1024}}

@@ -15,12 +15,34 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.parametrize("force", ["PS", "SFB"])
 def test_cuda_tensors_over_gloo_staged_match(cluster, force):
     spec = ModelSpec(conv_channels=(4,), batchnorm=True, widths=(16,), image=5)
-    results = cluster.run(workers.train_pair_cuda, spec, 3, 2, "gloo", force)
+    results = cluster.run(workers.train_pair_group, spec, 3, 2, "gloo", force)
     assert_parity(results, spec, 2, cluster.world_size)
+
+
+@pytest.mark.parametrize("force", ["PS", "SFB"])
+def test_gradients_written_late_on_the_gpu_are_the_ones_synced(cluster, force):
+    """The GPU writes every layer's gradient ~10 ms after its hook fired on the CPU: a staging copy not
+    ordered after those kernels (the ready event) would sync the previous values."""
+    spec = ModelSpec(conv_channels=(4,), widths=(16, 8), image=5)
+    results = cluster.run(workers.train_pair_group, spec, 3, 2, "gloo", force, True)
+    assert_parity(results, spec, 2, cluster.world_size)
+    for result in results:
+        fc = [path for name, path in result["paths"].items() if not name.startswith("features")]
+        assert fc and all(path == force for path in fc), result["paths"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="NCCL needs one GPU per rank")
 def test_cuda_tensors_over_nccl_match(cluster):
     spec = ModelSpec(widths=(16, 8))
-    results = cluster.run(workers.train_pair_cuda, spec, 3, 2, "nccl", "SFB")
+    results = cluster.run(workers.train_pair_group, spec, 3, 2, "nccl", "SFB")
     assert_parity(results, spec, 2, cluster.world_size)
+
+
+@pytest.mark.parametrize("force", ["PS", "SFB"])
+def test_nccl_in_a_world_of_one_matches(cluster, force):
+    """NCCL needs a GPU per rank, so on one GPU it runs only in worlds of one: each rank trains alone
+    (its CPU twin: test_parity.py::test_a_world_of_one_matches_single_process)."""
+    spec = ModelSpec(widths=(16, 8))
+    results = cluster.run(workers.train_pair_group, spec, 3, 2, "nccl", force, False, True)
+    assert_parity(results, spec, 2, 1)
+

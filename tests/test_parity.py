@@ -52,6 +52,15 @@ def test_special_models_match(cluster, case):
     assert_parity(results, spec, 3, cluster.world_size)
 
 
+@pytest.mark.parametrize("force", ["PS", "SFB"])
+def test_a_world_of_one_matches_single_process(cluster, force):
+    """Every rank in a gloo group of its own: nothing to exchange, the same script as on P ranks runs
+    (forcing SFB too: the override is accepted and syncs nothing)."""
+    spec = ModelSpec(widths=(16, 8))
+    results = cluster.run(workers.train_pair_group, spec, STEPS, 2, "gloo", force, False, True, "cpu")
+    assert_parity(results, spec, 2, 1)
+
+
 def test_unused_parameters_keep_no_grad_like_ddp(cluster):
     """A layer no rank uses gets no gradient at all, so weight decay and momentum leave it alone."""
     spec = CASES["unused_branch"]

@@ -318,18 +318,52 @@ def slow_link():
     return LinkModel.from_gbps(0.01, latency_us=1.0)
 
 
-def train_pair_cuda(rank: int, world_size: int, spec: ModelSpec, steps: int, size: int, backend: str,
-                    force: str) -> dict:
-    """Like ``train_pair`` with the model and data on a GPU; ``backend``: "gloo" (staged through pinned
-    host buffers) or "nccl" (one GPU per rank)."""
+class _BusyBackward(torch.autograd.Function):
+    """Identity whose backward first keeps the GPU busy for about ``CYCLES`` clock cycles, so the gradients
+    of the layer before it are written long after their hooks fired on the CPU: a sync copy that is not
+    ordered after them on the device reads the previous values."""
+
+    CYCLES = 20_000_000  # ~10 ms at the H100's/H200's ~2 GHz
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(_BusyBackward.CYCLES)
+        return grad
+
+
+def busy_backward(model: torch.nn.Module) -> None:
+    """Delay on the GPU the gradients of every Linear and Conv2d of ``model`` (see :class:`_BusyBackward`)."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+            module.register_forward_hook(lambda mod, args, out: _BusyBackward.apply(out))
+
+
+def train_pair_group(rank: int, world_size: int, spec: ModelSpec, steps: int, size: int, backend: str,
+                     force: str, busy: bool = False, alone: bool = False, device: str = "cuda") -> dict:
+    """Like ``train_pair`` in a process group of ``backend`` made for the call, on ``device`` (CUDA: rank
+    r on GPU r mod count; "gloo" stages through pinned host buffers, "nccl" needs one GPU per rank).
+    ``busy``: every layer's gradient is written ~10 ms after its hook fired (:func:`busy_backward`).
+    ``alone``: every rank trains in a group of its own (a world of one: NCCL with ranks sharing a GPU),
+    on the whole batch. Also returns which paths ran."""
     import torch.distributed as dist
 
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    group = dist.new_group(backend=backend)
+    if device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if alone:
+        groups = [dist.new_group([r], backend=backend) for r in range(world_size)]
+        group, rank, world_size = groups[rank], 0, 1
+    else:
+        group = dist.new_group(backend=backend)
     out = {}
     for wrapper in ("poseidon", "ddp"):
         model = build(spec, seed=spec.seed).to(device)
+        if busy:
+            busy_backward(model)
         wrapped = (PoseidonDDP(model, timeout=60, process_group=group, **poseidon_options(model, {"force": force}))
                    if wrapper == "poseidon" else DDP(model, process_group=group))
         opt = torch.optim.SGD(wrapped.parameters(), **OPTIMIZER)
@@ -338,8 +372,10 @@ def train_pair_cuda(rank: int, world_size: int, spec: ModelSpec, steps: int, siz
             opt.zero_grad()
             F.mse_loss(wrapped(shard(x, rank, size).to(device)), shard(y, rank, size).to(device)).backward()
             opt.step()
-        torch.cuda.synchronize()
         out[wrapper] = {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+        if wrapper == "poseidon":
+            out["paths"] = dict(wrapped.comm_stats.outcome_by_bucket)
+            wrapped.close()
     return out
 
 
