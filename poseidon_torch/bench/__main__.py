@@ -4,6 +4,11 @@ Usage::
 
     python -m poseidon_torch.bench --mode localhost|netns --hosts N --bandwidth 1gbit|10gbit [--latency 0.2ms]
         --workload fc_heavy|resnet|transformer|all --iters I --warmup W --out DIR [--tiny] [--timeout S]
+        [--device cpu|cuda] [--batch-scale K]
+
+``--device cuda`` puts rank r on GPU r mod count (ranks may share one GPU; gloo stages device tensors
+through host memory, as torch DDP on gloo does too); ``--batch-scale K`` makes each step's batch K of
+the workload's batches (GPU-sized batches of the same data).
 
 For every workload it runs, one after the other: ``compute-only`` (N ranks side by side that never sync,
 the same per-rank batch), ``torch-ddp``, ``poseidon-ps`` (PoseidonDDP(hybrid=False)) and ``poseidon-hybrid``
@@ -49,7 +54,7 @@ from pathlib import Path
 from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, add_placement_arguments, free_port, \
     fresh_dir, rank_env, run_placed, run_ranks, threads_per_rank, write_report
 from poseidon_torch.bench.netns import parse_delay, parse_rate
-from poseidon_torch.bench.worker import DEFAULT_MODES, MODES, POSEIDON_MODES
+from poseidon_torch.bench.worker import DEFAULT_MODES, MODES, POSEIDON_MODES, add_device_arguments
 from poseidon_torch.bench.workloads import MAIN_WORKLOADS, WORKLOADS
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,7 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "where recording the window would weigh on the times)")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
                         help=f"comma-separated, compute-only and torch-ddp included (of {', '.join(MODES)})")
+    add_device_arguments(parser)
     args = parser.parse_args(argv)
+    if args.batch_scale < 1:
+        parser.error("--batch-scale must be >= 1")
     args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
     unknown = set(args.modes) - set(MODES)
     if unknown or not {"compute-only", "torch-ddp"} <= set(args.modes):
@@ -94,6 +102,7 @@ def worker_argv(args: argparse.Namespace, mode: str, workload: str, result: Path
     argv += ["--tiny"] * args.tiny
     argv += ["--optimizer", args.optimizer]
     argv += ["--compile"] * args.compile
+    argv += ["--device", args.device, "--batch-scale", str(args.batch_scale)]
     argv += ["--wire-iface", wire_iface] if wire_iface else []
     argv += ["--trace-dir", str(trace_dir)] if trace_dir else []
     return argv
@@ -239,6 +248,7 @@ def config(args: argparse.Namespace, placement: Placement, workloads: list[str])
         "threads_per_rank": threads_per_rank(args.hosts), "cpus_per_host": placement.cpus_per_host,
         "iters": args.iters, "warmup": args.warmup,
         "tiny": args.tiny, "workloads": workloads, "warnings": placement.warnings,
+        "device": args.device, "batch_scale": args.batch_scale,
     }
 
 

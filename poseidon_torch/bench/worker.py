@@ -5,6 +5,7 @@ Usage (normally launched by ``python -m poseidon_torch.bench``)::
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
         python -m poseidon_torch.bench.worker --mode torch-ddp --workload fc_heavy --iters 10 --warmup 3 \\
         --result out.json [--tiny] [--threads 1] [--timeout 300] [--wire-iface veth0] [--trace-dir DIR]
+        [--device cpu|cuda] [--batch-scale K]
 
 Modes: ``compute-only`` (no sync: the plain module on this rank's batch; the process group only gathers
 the timings after the timed loop), ``torch-ddp``
@@ -54,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from poseidon_torch.bench.launch import exit_worker, worker_main
-from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, profile
+from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, placed, profile
 
 #: ServerOptimizer with SSP's bound (``staleness=s``) or asynchronous (None): ranks on their own clocks
 STALE_MODES = {"poseidon-ssp1": 1, "poseidon-ssp3": 3, "poseidon-async": None}
@@ -84,6 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trace-dir", help="PoseidonDDP trace directory (poseidon modes)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     parser.add_argument("--compile", action="store_true", help="torch.compile the wrapped model (as users compile DDP)")
+    add_device_arguments(parser)
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
@@ -107,6 +109,25 @@ def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None) -> Call
         os.environ["POSEIDON_PULL_PRIORITY"] = "1"
     return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=timeout, trace_dir=trace_dir,
                                       engine=engine, delay=DELAY_MODES.get(mode, 0))
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the ranks compute (shared by the runner and the worker)."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: rank r on GPU r mod count (ranks may share one GPU; gloo stages through host memory)")
+    parser.add_argument("--batch-scale", type=int, default=1,
+                        help="each step's batch is this many of the workload's batches (GPU-sized batches)")
+
+
+def rank_device(kind: str, rank: int) -> torch.device:
+    """The device rank ``rank`` computes on (made current for CUDA)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda needs a GPU, and torch sees none")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def init_process_group(timeout: float) -> tuple[int, int]:
@@ -263,7 +284,7 @@ def run(args: argparse.Namespace) -> None:
     # they run side by side, so each gets the CPU share a host gets in the synced modes
     rank, _ = init_process_group(args.timeout)
     try:
-        workload = build(args.workload, args.tiny)
+        workload = placed(build(args.workload, args.tiny), rank_device(args.device, rank), args.batch_scale)
         param_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters())
         record = measure(args, wrap, workload, rank)
         records = [None] * dist.get_world_size()

@@ -137,8 +137,8 @@ class TinyLM(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         seq = ids.shape[1]
-        mask = nn.Transformer.generate_square_subsequent_mask(seq)
-        h = self.tokens(ids) + self.positions(torch.arange(seq))
+        mask = nn.Transformer.generate_square_subsequent_mask(seq, device=ids.device)
+        h = self.tokens(ids) + self.positions(torch.arange(seq, device=ids.device))
         return self.head(self.norm(self.encoder(h, mask=mask, is_causal=True)))
 
 
@@ -182,7 +182,7 @@ class GPTLike(nn.Module):
         self.norm = nn.LayerNorm(d_model)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+        h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
         return F.linear(self.norm(self.blocks(h)), self.tokens.weight)
 
 
@@ -303,6 +303,17 @@ MAIN_WORKLOADS = ("fc_heavy", "resnet", "transformer")
 def build(name: str, tiny: bool = False) -> Workload:
     """The workload called ``name`` (a key of :data:`WORKLOADS`)."""
     return WORKLOADS[name](tiny)
+
+
+def placed(workload: Workload, device: torch.device, batch_scale: int = 1) -> Workload:
+    """``workload`` with its model on ``device`` and each step's batch made of ``batch_scale`` of its
+    batches (those of steps ``step * batch_scale ...``, so still a function of ``(rank, step)``), moved
+    there: a GPU-sized batch of the same data."""
+    def make_batch(rank: int, step: int) -> Batch:
+        parts = [workload.make_batch(rank, step * batch_scale + i) for i in range(batch_scale)]
+        return tuple(torch.cat(column).to(device) for column in zip(*parts))
+
+    return Workload(workload.model.to(device), make_batch, workload.loss_fn, workload.batch_size * batch_scale)
 
 
 def profile(workload: Workload) -> dict:
