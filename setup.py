@@ -11,6 +11,19 @@ try:
 except ImportError:  # no torch here (an isolated build): the pure-Python package
     setup()
 else:
+    class OptionalBuild(BuildExtension):
+        """An optional extension that fails to build leaves the Python core: torch's ninja build raises
+        RuntimeError, which setuptools' ``optional=True`` does not catch."""
+
+        def build_extension(self, ext) -> None:
+            try:
+                super().build_extension(ext)
+            except Exception as exc:
+                if not ext.optional:
+                    raise
+                self.warn(f"poseidon-torch: the native core did not build against this torch ({exc}); "
+                          "the Python core runs instead")
+
     setup(ext_modules=[CppExtension("poseidon_torch._native", ["csrc/core.cpp"],
                                     extra_compile_args=["-O2"], optional=True)],
-          cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
+          cmdclass={"build_ext": OptionalBuild.with_options(use_ninja=True)})

@@ -30,6 +30,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -595,7 +596,9 @@ class Core {
   const bool record_order_;
   std::vector<Channel> channels_;
   std::vector<std::thread> threads_;
-  std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  // the accumulator's pointer type: c10::intrusive_ptr<Node> from torch 2.12 on, std::shared_ptr<Node> before
+  using AccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<std::pair<AccumulatorPtr, uintptr_t>> hooks_;
 
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
