@@ -270,7 +270,7 @@ class FCLayer:
         self.average: tuple[Tensor, ...] | None = None
         #: the factors' local gradient a fallback to PS added to the flat buffer: the engine adds it to
         #: ``.grad`` if the pass ends aborted (``.grad`` then keeps this rank's whole local gradient)
-        self.local: tuple[Tensor, ...] | None = None
+        self.local: tuple[Tensor | None, ...] | None = None
         self._witness: Tensor | None = None
         self._calls: list[bool | None] = []
         self.accumulators = [grad_accumulator(p) for p in self.params]
@@ -429,6 +429,9 @@ class FCLayer:
         views = dict(bucket.views())
         local = []
         for p, grad in zip(self.params, rebuild_gradients(u, v, 1, self.spec)):
+            if not p.requires_grad:  # frozen since the layer went on SFB: autograd would give it nothing
+                local.append(None)
+                continue
             grad = grad.to(p.dtype)
             for hook in (p._backward_hooks or {}).values():
                 result = hook(grad)
@@ -442,13 +445,15 @@ class FCLayer:
         average, self.average = self.average, None
         return average
 
-    def take_local(self) -> tuple[Tensor, ...] | None:
+    def take_local(self) -> tuple[Tensor | None, ...] | None:
         local, self.local = self.local, None
         return local
 
     def add_to_grad(self, grads: tuple[Tensor, ...]) -> None:
         """``.grad += grads`` (the training thread, at the end of a backward)."""
         for p, grad in zip(self.params, grads):
+            if grad is None or not p.requires_grad:  # frozen since the layer went on SFB: no .grad, as autograd
+                continue
             grad = grad.to(p.dtype)
             if grad.is_cuda:  # made on a side stream, used (and freed) on this one from now on
                 grad.record_stream(torch.cuda.current_stream(grad.device))
@@ -560,7 +565,8 @@ class SFBPath:
             sent += got.bytes_sent
         bucket.bytes_sent = sent
         bucket.outcome = self.name
-        bucket.used_anywhere.fill_(int(k_max > 0))
+        for j, p in enumerate(bucket.params):  # a parameter frozen since the layer went on SFB gets nothing
+            bucket.used_anywhere[j] = int(k_max > 0 and p.requires_grad)
         layer.consume(ctx.task)
         if ctx.shadow or k_max == 0:  # no rank used the layer: its gradients stay untouched, as in DDP
             return k_max > 0

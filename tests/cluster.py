@@ -46,8 +46,15 @@ def _serve(rank: int, world_size: int, port: int, jobs, results) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    placement.place_rank(rank)
+    try:
+        placement.place_rank(rank)
+        unplaced = None
+    except RuntimeError:  # every job answers with it, so the test says why instead of timing out
+        unplaced = traceback.format_exc()
     while (job := jobs.get()) is not None:
+        if unplaced is not None:
+            results.put(RankOutcome(rank, False, unplaced))
+            continue
         fn, args, env = job
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
@@ -120,6 +127,7 @@ class Cluster:
         for q, p in zip(self._jobs, self._procs):
             if p.is_alive():
                 q.put(None)
+            q.cancel_join_thread()  # jobs queued for a dead rank must not hold this process's exit
         deadline = time.monotonic() + grace_s
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))

@@ -726,6 +726,33 @@ def frozen_bias(rank: int, world_size: int) -> dict:
     return {"steps": results}
 
 
+def bias_frozen_midway(rank: int, world_size: int, force: str, server: bool) -> dict:
+    """fc1's bias frozen after two steps on ``force``'s path (fine-tuning schedules do this): from then on it
+    has no ``.grad`` and SGD leaves it where it was, on every rank, as with torch DDP (``server``: the
+    owners step, in parameter-server mode)."""
+    from poseidon_torch import ServerOptimizer
+
+    module = MLP()
+    model = wrap(module, link=slow_link(), **sfb_options("fc1") if force == "SFB" else {"hybrid": False, "fusion_bytes": 0})
+    opt = ServerOptimizer(model, torch.optim.SGD, lr=0.1) if server else torch.optim.SGD(module.parameters(), lr=0.1)
+    out = {"paths": [], "grad_after_freeze": [], "moved_after_freeze": []}
+    for i in range(4):
+        if i == 2:
+            module.fc1.bias.requires_grad_(False)
+        before = module.fc1.bias.detach().clone()
+        x, y = data(i, rank)
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        out["paths"].append(model.comm_stats.outcome_by_bucket.get("fc1"))
+        if i >= 2:
+            out["grad_after_freeze"].append(module.fc1.bias.grad is not None)
+        opt.step()
+        if i >= 2:
+            out["moved_after_freeze"].append((module.fc1.bias - before).abs().max().item())
+    model.close()
+    return out
+
+
 BAD_OPTIONS = [{"link": 5}, {"hybrid": "no"}, {"chunk_bytes": "64"}, {"num_channels": 1.5},
                {"overrides": [("fc1", "SFB")]}, {"timeout": "10"}, {"fusion_bytes": True}]
 

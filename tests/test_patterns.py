@@ -131,6 +131,14 @@ def test_frozen_bias_trainable_weight(cluster):
     assert_exact(cluster.run(patterns.frozen_bias, timeout=60))
 
 
+@pytest.mark.parametrize("server", [False, True], ids=["default-mode", "server-mode"])
+@pytest.mark.parametrize("force", ["PS", "SFB"])
+def test_a_bias_frozen_during_training_stays_frozen(cluster, force, server):
+    for r in cluster.run(patterns.bias_frozen_midway, force, server, timeout=60):
+        assert r["paths"][2] == force, r["paths"]  # the path under test ran the step the bias was frozen in
+        assert r["grad_after_freeze"] == [False, False] and r["moved_after_freeze"] == [0.0, 0.0], r
+
+
 def test_bad_options_fail_at_once_on_every_rank(cluster):
     for r in cluster.run(patterns.bad_options, timeout=60):
         for options, error in zip(patterns.BAD_OPTIONS, r["errors"]):

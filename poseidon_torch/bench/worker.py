@@ -87,8 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="torch.compile the wrapped model (as users compile DDP)")
     add_device_arguments(parser)
     args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0:
-        parser.error("--iters must be >= 1 and --warmup >= 0")
+    if args.iters < 1 or args.warmup < 0 or args.batch_scale < 1:
+        parser.error("--iters and --batch-scale must be >= 1 and --warmup >= 0")
     return args
 
 
