@@ -302,9 +302,10 @@ class FCLayer:
                 if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
                     self.sticky |= CHECKPOINTED
                 else:
-                    if self._hooked():
+                    hooked = self._hooked()  # hooks added since the plan was made act on autograd's gradient:
+                    if hooked:               # no detached call, so the pass falls back to PS (exactly)
                         self.sticky |= HOOKED
-                    state = self.commit
+                    state = self.commit and not hooked
                     if state:
                         self._swap_in()
         self._calls.append(state)

@@ -281,10 +281,11 @@ def sfb_pattern(rank: int, world_size: int, pattern: str) -> dict:
     def step(m, module, i):
         x, y = data(i, rank)
         weight = module.fc1.weight
-        if pattern == "weight_hook" and not hasattr(weight, "masked"):  # a pruning mask, on both models
+        from_now = not hasattr(weight, "masked") and (not pattern.startswith("late_") or i >= 2)  # late_: fc1 on SFB
+        if pattern.endswith("weight_hook") and from_now:  # a pruning mask, on both models
             weight.register_hook(lambda g: g * mask)
             weight.masked = True
-        if pattern == "post_accumulate_hook" and not hasattr(weight, "masked"):  # the mask applied to .grad itself
+        if pattern.endswith("post_accumulate_hook") and from_now:  # the mask applied to .grad itself
             def apply_mask(p: torch.Tensor) -> None:
                 p.grad.mul_(mask)
 
@@ -304,7 +305,7 @@ def sfb_pattern(rank: int, world_size: int, pattern: str) -> dict:
             loss.backward()
         elif pattern == "l2_on_weight":  # a penalty that differs by rank, so its average is not its local value
             (F.mse_loss(m(x), y) + 0.01 * (rank + 1) * module.fc1.weight.pow(2).sum()).backward()
-        elif pattern in ("weight_hook", "post_accumulate_hook"):
+        elif pattern.endswith(("weight_hook", "post_accumulate_hook")):
             F.mse_loss(m(x), y).backward()
         elif pattern == "siamese":
             x2, y2 = data(i, rank, rows=2 + i % 3, salt=7)

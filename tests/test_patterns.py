@@ -90,6 +90,10 @@ SFB_PATTERNS = {  # how each FC layer syncs, step by step: SFB where exact, PS w
     "l2_on_weight": {"fc1": ["PS", "SFB->PS", "PS", "PS"], "head": SFB_ON},
     "weight_hook": {"fc1": PS_ON, "head": SFB_ON},
     "post_accumulate_hook": {"fc1": PS_ON, "head": SFB_ON},  # the mask acts on .grad: fc1 never on SFB
+    # the same hooks registered at step 2, with fc1 on SFB: that step's calls run undetached, so the hook
+    # acts and every rank sends its whole gradient (SFB->PS); PS from then on
+    "late_weight_hook": {"fc1": ["PS", "SFB", "SFB->PS", "PS"], "head": SFB_ON},
+    "late_post_accumulate_hook": {"fc1": ["PS", "SFB", "SFB->PS", "PS"], "head": SFB_ON},
     "siamese": {"fc1": SFB_ON, "head": SFB_ON},
     "call_outside_forward": {"fc1": PS_ON, "head": PS_ON},
     "inplace_3d": {"fc1": SFB_ON, "head": SFB_ON},  # relu_ on fc1's 3-D output (a view)
@@ -106,7 +110,7 @@ def test_sfb_layers_stay_exact_in_real_training_patterns(cluster, pattern):
     assert_paths(results, SFB_PATTERNS[pattern])
 
 
-@pytest.mark.parametrize("pattern", ["weight_hook", "post_accumulate_hook"])
+@pytest.mark.parametrize("pattern", ["weight_hook", "post_accumulate_hook", "late_post_accumulate_hook"])
 def test_hooks_registered_after_wrapping_act_before_the_sync_on_the_python_core(cluster, pattern):
     """The engine learns a parameter is ready only after every hook of its accumulation ran, also hooks
     registered after it (the native core by construction; the Python core runs every GPU model)."""
