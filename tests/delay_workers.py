@@ -571,3 +571,52 @@ def reference_late_gradient(delay: int, world_size: int) -> dict[str, torch.Tens
             p.grad = g
         opt.step()
     return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def peer_exits_under_delay(rank: int, world_size: int, server: bool) -> dict:
+    """``delay=1``: rank 1 dies after two steps. Rank 0 must learn it within the timeout (at whichever
+    forward or backward first waits for the dead rank), refuse to train on, and ``close()`` must return
+    promptly (it must not drain a pipeline whose peer is gone)."""
+    import os
+
+    from poseidon_torch import ServerOptimizer
+
+    spec = ModelSpec(widths=(16, 16))
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=DEAD_PEER_TIMEOUT_S, delay=0 if server else 1, fusion_bytes=0)
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, delay=1) if server else \
+        torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(i: int) -> None:
+        x, y = batch(spec, i, 2, world_size)
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+        opt.step()
+
+    for i in range(2):
+        step(i)
+    if rank == 1:
+        os._exit(3)
+    start, error = time.monotonic(), None
+    try:
+        for i in range(2, 6):
+            step(i)
+    except Exception as exc:  # the test inspects type and message
+        error = exc
+    elapsed = time.monotonic() - start
+    try:
+        step(6)
+        after = "step ran"
+    except Exception as exc:
+        after = f"{type(exc).__name__}: {exc}"
+    start = time.monotonic()
+    try:
+        wrapped.close()
+        closed = "closed"
+    except Exception as exc:
+        closed = f"{type(exc).__name__}: {exc}"
+    return {"error_type": type(error).__name__ if error else None, "error": str(error), "elapsed": elapsed,
+            "after": after, "closed": closed, "close_s": time.monotonic() - start}
+
+
+DEAD_PEER_TIMEOUT_S = 10.0

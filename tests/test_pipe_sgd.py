@@ -298,3 +298,17 @@ def test_server_resume_in_either_order_and_bad_states_change_nothing(cluster, or
         assert "delay=True" in result["errors"][1] and "'x'" in result["errors"][2] and "(2, 2)" in result["errors"][3]
         for name, value in result["straight"].items():
             assert torch.equal(result["resumed"][name], value), name
+
+
+@pytest.mark.parametrize("server", [False, True], ids=["default-mode", "server-mode"])
+def test_a_dead_peer_ends_training_within_the_timeout_and_close_returns(fresh_cluster, server):
+    outcomes = fresh_cluster.run_outcomes(dw.peer_exits_under_delay, server, timeout=90)
+    assert 1 not in outcomes and fresh_cluster.exit_code(1) == 3
+    survivor = outcomes[0]
+    assert survivor.ok, survivor.value
+    r = survivor.value
+    assert r["error_type"] in ("SyncError", "SyncTimeout"), r
+    assert r["elapsed"] < 2 * dw.DEAD_PEER_TIMEOUT_S + 5, r  # the step in flight and the next wait at most
+    assert "cannot continue after a failed sync" in r["after"], r
+    assert r["closed"] == "closed" and r["close_s"] < 5, r
+
