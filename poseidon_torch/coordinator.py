@@ -17,7 +17,7 @@ layer that can take it exactly.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +73,6 @@ class Coordinator:
         self.fc = dict(sorted(fc.items()))
         self.world_size, self.link, self.gemm_flops = world_size, link, gemm_flops
         self.overrides = dict(overrides or {})
-        if world_size == 1:  # nothing to gather: a script's SFB override for P ranks means PS in a world of one
-            self.overrides = {name: PS if path == SFB else path for name, path in self.overrides.items()}
         self.k_max = {name: 0 for name in self.fc}
         #: per FC layer, its largest K in the last pass it was watched (alone in its bucket): what the
         #: trace's layout tells the simulator of layers later fused with others
@@ -88,7 +86,9 @@ class Coordinator:
         self.pull_values = False
         self._warned: set[str] = set()
 
-    def check_overrides(self, layer_names: Sequence[str]) -> None:
+    def check_overrides(self, layer_names: Sequence[str], fc_names: Collection[str]) -> None:
+        """Refuse overrides that name no layer, no path, or SFB for a layer that is not an FC layer of its
+        own (``fc_names``: those that could take SFB, at any world size)."""
         for name, path in self.overrides.items():
             if name not in layer_names:
                 raise ValueError(f"override names {name!r}, which is not a layer: layers are the modules that own "
@@ -96,9 +96,11 @@ class Coordinator:
                                  f"that registers it); layers: {sorted(layer_names)}")
             if path not in PATHS:
                 raise ValueError(f"override for layer {name!r} must be one of {PATHS}, got {path!r}")
-            if path == SFB and name not in self.fc:
+            if path == SFB and name not in fc_names:
                 raise ValueError(f"cannot force SFB on layer {name!r}: it is not an FC layer of its own "
                                  "(see poseidon_torch.register_fc)")
+        if self.world_size == 1:  # nothing to gather: a script's SFB override for P ranks means PS here
+            self.overrides = {name: PS if path == SFB else path for name, path in self.overrides.items()}
 
     def only_ps(self) -> None:
         """Every layer on the PS path from now on (ranks on their own clocks cannot all-gather factors)."""

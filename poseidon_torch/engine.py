@@ -58,7 +58,7 @@ from .link import LinkModel, theil_sen
 from .pools import Groups, StreamPool
 from .schedule import ChannelPlan, Halves, SyncingAtEnd, plan_channels
 from .server import Server, merge_exports
-from .sfb import FCLayer, SFBPath, fc_layers
+from .sfb import FCLayer, SFBPath, fc_eligible, fc_layers
 from .trace import Recorder
 
 #: Before the first backward, neighbouring layers are fused up to this size (the buckets are then
@@ -181,7 +181,8 @@ class Engine:
         if hybrid and self.world_size > 1:
             self.fc = fc_layers(self.layers, module, self.in_forward, self.in_synced_forward)
         self.coordinator = Coordinator(self.fc, self.world_size, link, gemm_flops, overrides)
-        self.coordinator.check_overrides([layer.name for layer in self.layers])
+        self.coordinator.check_overrides([layer.name for layer in self.layers],
+                                         [layer.name for layer in fc_eligible(self.layers, module)])
         self._ps = PSPath(self.rank, self.world_size, chunk_bytes)
         #: the sync of a bucket, per path name: ``sync(bucket, groups, ctx)`` yields its phases
         self.paths = {PS: self._ps, SFB: SFBPath(self._ps, self.world_size, torch.device("cpu") if staged else device)}

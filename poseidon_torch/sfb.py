@@ -497,15 +497,21 @@ class _UseRecorder:
 
 def fc_layers(layers: list[Layer], model: nn.Module, in_forward: Callable[[], bool],
               in_synced_forward: Callable[[], bool]) -> dict[str, FCLayer]:
-    """The layers that can take the SFB path, by layer name: exactly one registered FC module whose
-    trainable weight (and bias) are all its parameters and all the layer's, none shared with another
-    module (a weight tied to another module gets gradient the factors do not see; the module that
-    registers it second holds only its bias as a layer, yet its calls would rebuild the weight too)."""
+    """The layers that can take the SFB path (:func:`fc_eligible`), by layer name, watched."""
+    return {layer.name: FCLayer(layer.name, layer.module, fc_spec(layer.module), in_forward, in_synced_forward)
+            for layer in fc_eligible(layers, model)}
+
+
+def fc_eligible(layers: list[Layer], model: nn.Module) -> list[Layer]:
+    """The layers that can take the SFB path: exactly one registered FC module whose trainable weight
+    (and bias) are all its parameters and all the layer's, none shared with another module (a weight
+    tied to another module gets gradient the factors do not see; the module that registers it second
+    holds only its bias as a layer, yet its calls would rebuild the weight too)."""
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    eligible = {}
+    eligible = []
     for layer in layers:
         spec = fc_spec(layer.module)
         bias = _bias_of(layer.module, spec) if spec is not None else None
@@ -514,7 +520,7 @@ def fc_layers(layers: list[Layer], model: nn.Module, in_forward: Callable[[], bo
             continue
         own = [spec.weight_of(layer.module)] + ([bias] if bias is not None else [])
         if {id(p) for _, p in layer.params} == {id(p) for p in own} and all(owners[id(p)] == 1 for p in own):
-            eligible[layer.name] = FCLayer(layer.name, layer.module, spec, in_forward, in_synced_forward)
+            eligible.append(layer)
     return eligible
 
 

@@ -138,10 +138,18 @@ def test_late_buckets_are_reported_if_any_rank_saw_one():
     ({"fc": "allreduce"}, "must be one of"),
     ({"nope": "PS"}, "'nope', which is not a layer"),
 ])
-def test_bad_overrides_raise(overrides, message):
-    c = coordinator(2, overrides=overrides, fc=(8, 8))
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_bad_overrides_raise(overrides, message, world_size):
+    c = coordinator(world_size, overrides=overrides, fc=(8, 8))
     with pytest.raises(ValueError, match=message):
-        c.check_overrides(["fc", "conv"])
+        c.check_overrides(["fc", "conv"], ["fc"])
+
+
+def test_an_sfb_override_means_ps_in_a_world_of_one():
+    """The script written for P ranks runs on one: nothing to gather, so its FC layer takes PS."""
+    c = coordinator(1, overrides={"fc": "SFB"}, fc=(8, 8))
+    c.check_overrides(["fc", "conv"], ["fc"])
+    assert c.overrides == {"fc": "PS"}
 
 
 # --- the link fit ------------------------------------------------------------------------------------
