@@ -31,6 +31,15 @@ def test_gradients_written_late_on_the_gpu_are_the_ones_synced(cluster, force):
         assert fc and all(path == force for path in fc), result["paths"]
 
 
+def test_late_written_gradients_break_parity_when_the_copies_ignore_the_ready_event(cluster):
+    """The negative control of the test above: waiting on a fresh event instead of the ready event, the
+    staging copies read ``.grad`` before the GPU wrote it, and parity must fail (not yet run on a GPU)."""
+    spec = ModelSpec(conv_channels=(4,), widths=(16, 8), image=5)
+    results = cluster.run(workers.train_pair_group, spec, 3, 2, "gloo", "PS", True, False, "cuda", True)
+    with pytest.raises(AssertionError):
+        assert_parity(results, spec, 2, cluster.world_size)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="NCCL needs one GPU per rank")
 def test_cuda_tensors_over_nccl_match(cluster):
     spec = ModelSpec(widths=(16, 8))

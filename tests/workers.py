@@ -343,12 +343,14 @@ def busy_backward(model: torch.nn.Module) -> None:
 
 
 def train_pair_group(rank: int, world_size: int, spec: ModelSpec, steps: int, size: int, backend: str,
-                     force: str, busy: bool = False, alone: bool = False, device: str = "cuda") -> dict:
+                     force: str, busy: bool = False, alone: bool = False, device: str = "cuda",
+                     unordered: bool = False) -> dict:
     """Like ``train_pair`` in a process group of ``backend`` made for the call, on ``device`` (CUDA: rank
     r on GPU r mod count; "gloo" stages through pinned host buffers, "nccl" needs one GPU per rank).
     ``busy``: every layer's gradient is written ~10 ms after its hook fired (:func:`busy_backward`).
     ``alone``: every rank trains in a group of its own (a world of one: NCCL with ranks sharing a GPU),
-    on the whole batch. Also returns which paths ran."""
+    on the whole batch. ``unordered``: PoseidonDDP's side streams ignore the ready events (the negative
+    control of the CUDA ordering tests). Also returns which paths ran."""
     import torch.distributed as dist
 
     if device == "cuda":
@@ -366,6 +368,9 @@ def train_pair_group(rank: int, world_size: int, spec: ModelSpec, steps: int, si
             busy_backward(model)
         wrapped = (PoseidonDDP(model, timeout=60, process_group=group, **poseidon_options(model, {"force": force}))
                    if wrapper == "poseidon" else DDP(model, process_group=group))
+        if unordered and wrapper == "poseidon":
+            ordered = wrapped.engine._device_stream
+            wrapped.engine._device_stream = lambda after, channel: ordered(torch.cuda.Event(), channel)
         opt = torch.optim.SGD(wrapped.parameters(), **OPTIMIZER)
         for step in range(steps):
             x, y = batch(spec, step, size, world_size)
