@@ -56,3 +56,19 @@ def test_report_shape(bench_run: tuple) -> None:
     assert (out / "results.png").stat().st_size > 0
     assert "torch-ddp" in done.stdout and "x bound" in done.stdout
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("workload", ["resnet18", "gpt2"])
+def test_batch_scale_joins_consecutive_batches_of_the_same_data(workload: str) -> None:
+    """``--batch-scale K``: step s's batch is the workload's batches of steps sK .. sK+K-1, joined."""
+    import torch
+
+    from poseidon_torch.bench.workloads import build, placed
+
+    base = build(workload, tiny=True)
+    scaled = placed(base, torch.device("cpu"), 3)
+    assert scaled.batch_size == 3 * base.batch_size
+    x, y = scaled.make_batch(1, 2)
+    parts = [base.make_batch(1, 6 + i) for i in range(3)]
+    assert torch.equal(x, torch.cat([p[0] for p in parts])) and torch.equal(y, torch.cat([p[1] for p in parts]))
+    assert not torch.equal(x, scaled.make_batch(0, 2)[0])  # still a function of the rank
