@@ -858,16 +858,12 @@ class Engine:
             return self.paths[name]
         return self._sfb_update if name == SFB else self._server_path
 
-    @contextlib.contextmanager
     def _device_stream(self, after, channel: int):
-        """The channel's CUDA stream, ordered after the event ``after`` (None on CPU)."""
+        """A context on the channel's CUDA stream, ordered after the event ``after``, that gives the stream
+        (on CPU a no-op giving None: it runs per bucket per pass)."""
         if self._streams is None:
-            yield None
-            return
-        stream = self._streams.for_channel(channel)
-        stream.wait_event(after)
-        with torch.cuda.stream(stream):
-            yield stream
+            return contextlib.nullcontext()
+        return _on_stream(self._streams.for_channel(channel), after)
 
     # ---- after the pass -----------------------------------------------------------------------------
 
@@ -1026,3 +1022,12 @@ def _collective_wait(what: str, wait: Callable[[], object]) -> None:
         wait()
     except RuntimeError as exc:
         raise SyncError(f"{what} failed: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream, after: torch.cuda.Event):
+    """Run the block on ``stream`` once ``after`` has passed on the stream that recorded it."""
+    stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        yield stream
+

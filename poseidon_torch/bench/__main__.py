@@ -78,8 +78,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated, compute-only and torch-ddp included (of {', '.join(MODES)})")
     add_device_arguments(parser)
     args = parser.parse_args(argv)
-    if args.batch_scale < 1:
-        parser.error("--batch-scale must be >= 1")
     args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
     unknown = set(args.modes) - set(MODES)
     if unknown or not {"compute-only", "torch-ddp"} <= set(args.modes):

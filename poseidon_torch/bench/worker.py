@@ -87,8 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="torch.compile the wrapped model (as users compile DDP)")
     add_device_arguments(parser)
     args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0 or args.batch_scale < 1:
-        parser.error("--iters and --batch-scale must be >= 1 and --warmup >= 0")
+    if args.iters < 1 or args.warmup < 0:
+        parser.error("--iters must be >= 1 and --warmup >= 0")
     return args
 
 
@@ -115,8 +115,15 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """Where the ranks compute (shared by the runner and the worker)."""
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: rank r on GPU r mod count (ranks may share one GPU; gloo stages through host memory)")
-    parser.add_argument("--batch-scale", type=int, default=1,
+    parser.add_argument("--batch-scale", type=_at_least_one, default=1,
                         help="each step's batch is this many of the workload's batches (GPU-sized batches)")
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def rank_device(kind: str, rank: int) -> torch.device:
