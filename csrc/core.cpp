@@ -251,10 +251,13 @@ class Core {
     buckets_[b].dirty.data_ptr<uint8_t>()[j] = 1;
   }
 
+  // The backward is over: nothing that accumulates from now on is this pass's (a deferred pass's jobs
+  // run on; the next backward asks the engine, which settles it first).
   void finish(bool aborted) {
     std::vector<int64_t> rest;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      pass_open_ = false;
       for (size_t i = 0; i < buckets_.size(); ++i) {
         if (!buckets_[i].submitted) {
           buckets_[i].submitted = true;
@@ -269,7 +272,6 @@ class Core {
   std::tuple<int, std::string> wait(double timeout_s) {  // called without the GIL
     std::unique_lock<std::mutex> lock(mu_);
     wait_until(lock, timeout_s, [this] { return remaining_ == 0; });
-    pass_open_ = false;
     if (failed_) return {timed_out_ ? kTimedOut : kFailed, failure_};
     return {kOk, ""};
   }

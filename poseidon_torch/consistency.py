@@ -4,7 +4,8 @@ The engine (``engine.py``) runs every synced pass the same way (hooks -> ready -
 policy decides what happens at its fixed points (compare Bagua's per-algorithm classes and torch DDP's
 comm hooks, ``../shared/notes/policies.md``):
 - ``defers``: whether ``backward()`` may return while the pass's jobs still run (the engine then
-  *settles* the pass at the end of the next synced forward);
+  *settles* the pass at the end of the next synced forward, or with ``settles_in_next_pass`` when the
+  next synced backward produces its first gradient);
 - ``writer_for_settle()``: where the averages of a deferred pass go when it settles;
 - ``backward_returned(buckets)``: what ``.grad`` holds once a synced ``backward()`` returns;
 - parameter-server mode: ``take_values(bucket)`` (a bucket's new values arrived), ``values_taken()``
@@ -105,6 +106,10 @@ class BSP:
     #: ``backward()`` returns) and rank 0's buffers, sent as a synced forward starts, land as the next
     #: one starts
     barrier_free = False
+    #: a deferred pass settles when the next synced pass opens (its first gradient, in the next backward)
+    #: instead of at the end of the next synced forward: nothing a forward reads depends on it, so its
+    #: jobs get the next forward and the first part of the next backward to finish in
+    settles_in_next_pass = False
     #: a policy that is not ``lockstep`` cannot learn buckets from a common step: its buckets are fused
     #: once, in reverse registration order, up to this many bytes besides the largest layer (or the
     #: engine's ``fusion_bytes`` when smaller)
@@ -173,6 +178,7 @@ class Delayed(BSP):
 
     defers = True
     barrier_free = True
+    settles_in_next_pass = True  #: the averages are handed out only when the next synced backward returns
 
     def __init__(self, delay: int) -> None:
         if delay < 1:

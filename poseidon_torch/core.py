@@ -26,7 +26,8 @@ Two implementations share this interface and these semantics:
 Both write the per-bucket flags every path reads (``Bucket.seen``, ``dirty``, ``used_anywhere``),
 record each bucket's submission time and (rank 0) the order in which parameters became ready.
 Invariants: a bucket is submitted at most once per pass; a gradient that arrives after its bucket was
-submitted marks the bucket late; after ``finish`` every bucket is submitted; ``wait`` never blocks
+submitted marks the bucket late; after ``finish`` every bucket is submitted and the pass takes no more
+arrivals (its jobs may still run: a deferred pass); ``wait`` never blocks
 longer than its timeout and reports the first failed job by name.
 """
 from __future__ import annotations
@@ -163,8 +164,11 @@ class PythonCore:
         self._buckets[index].dirty[j] = 1
 
     def finish(self, aborted: bool) -> None:
-        """Submit every bucket not yet submitted (some parameter got no gradient on this rank)."""
+        """Submit every bucket not yet submitted (some parameter got no gradient on this rank). The
+        backward is over: nothing that accumulates from now on is this pass's (a deferred pass's jobs run
+        on; the next backward asks the engine, which settles it first)."""
         with self._lock:
+            self._open = False
             rest = [i for i, ready in enumerate(self._ready) if not ready.submitted]
             for i in rest:
                 self._ready[i].submitted = True
@@ -173,11 +177,8 @@ class PythonCore:
             self._submit(i)
 
     def wait(self, timeout: float) -> tuple[int, str]:
-        """The barrier; (OK, "") or (FAILED / TIMED_OUT, message). The pass is closed either way."""
-        status = self._barrier_status(timeout)
-        with self._lock:
-            self._open = False
-        return status
+        """The barrier; (OK, "") or (FAILED / TIMED_OUT, message)."""
+        return self._barrier_status(timeout)
 
     def wait_bucket(self, bucket: int, timeout: float) -> tuple[int, str]:
         """Until the job of ``bucket`` is done (the pass stays open); as ``wait``."""

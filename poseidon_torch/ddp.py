@@ -342,8 +342,7 @@ class PoseidonDDP(nn.Module, Joinable):
     @torch.compiler.disable
     def _leave_forward(self, step: _Forward, output: Any) -> Any:
         engine = step.engine
-        if engine.defers_passes:  # the last step's sync (values not read by this forward), and its close
-            engine.settle(output) if step.synced else engine.drain(output)
+        engine.after_forward(output, step.synced)
         if step.synced:
             engine.arm(output)
         if self.recorder.active:

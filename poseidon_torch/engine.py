@@ -24,7 +24,9 @@ native) owns what happens per parameter and per bucket inside a pass.
   buckets are learned, a pass is *deferred*: ``backward()`` returns while its jobs run, each layer's
   forward pre-hook waits for its bucket and copies its values in, and the pass *settles* (every job
   done, every value applied, closed) at the end of the next synced forward or at ``step()``;
-- a deferring policy (Pipe-SGD) defers every clean pass the same way; when it is ``barrier_free`` the
+- a deferring policy (Pipe-SGD) defers every clean pass the same way; one that ``settles_in_next_pass``
+  settles it as late as it can: when the next synced pass opens (its first gradient, in the next
+  backward), since that pass needs the core, the buckets and the plan; when it is ``barrier_free`` the
   pass does not even wait for the facts: they are read when it drains, and a pass in which some ranks,
   not all, raised (or got a late gradient) ends the engine there, on every rank, with a ``SyncError``
   naming them (the others had stepped);
@@ -107,6 +109,8 @@ class Pass:
     task: int
     shadow: bool = False
     aborted: bool = False
+    #: when its backward reached the outputs of a synced forward (else when the pass opened): a
+    #: deferred pass is recorded after the next backward began
     began_ns: int = field(default_factory=time.monotonic_ns)
     contexts: list[SyncContext] = field(default_factory=list)
 
@@ -171,6 +175,7 @@ class Engine:
         self._channels = groups.channels
         self._tls = threading.local()
         self._lock = threading.Lock()
+        self._settling = threading.Lock()  #: a deferred pass settling on an autograd thread (see _settle_if_opening)
         self._module = module
         self._server_hooks: list = []
         self._live = LiveGrads(lambda bucket: self.core.scatter(bucket))
@@ -339,12 +344,16 @@ class Engine:
     def _update_ask(self) -> None:
         """The core asks before treating an accumulation outside a pass as local exactly when a synced
         pass may be starting (lock held or single-threaded)."""
-        self.core.set_ask(bool(self._armed) or (self._latest_forward_synced and self._round is not None))
+        self.core.set_ask(self._synced_pass_may_start())
+
+    def _synced_pass_may_start(self) -> bool:
+        """An accumulation outside a pass now opens a synced one (see :meth:`_pass_for`; lock held)."""
+        return bool(self._armed) or (self._latest_forward_synced and self._round is not None)
 
     # ---- autograd side: events ---------------------------------------------------------------------
 
     def _armed_by(self, round_: Round | None) -> None:
-        if self._deferred is not None:
+        if self._deferred is not None and self._deferred.pass_.round is round_:
             raise RuntimeError("PoseidonDDP: a second synced backward before the next forward: with a ServerOptimizer "
                                "or delay=k each synced backward is one optimizer step (its sync runs on after it); "
                                "accumulate with no_sync() or run one backward per forward")
@@ -360,6 +369,7 @@ class Engine:
 
     def _on_idle(self, param: int) -> None:
         """Parameter ``param`` accumulated while no pass was open, in ask mode (core's call)."""
+        self._settle_if_opening()
         with self._lock:
             opened = self._pass_for(torch._C._current_graph_task_id()) is not None
         if opened:
@@ -370,6 +380,7 @@ class Engine:
     def _on_factors(self, layer: FCLayer, witness: torch.Tensor) -> None:
         """Every call of a detached FC layer that this backward reached has its output gradient."""
         task = torch._C._current_graph_task_id()
+        self._settle_if_opening()
         with self._lock:
             p = self._pass_for(task)
             bucket = self._fc_bucket.get(layer.name)
@@ -379,6 +390,19 @@ class Engine:
         more = [bucket.position[id(param)] for acc, param in zip(layer.accumulators, layer.params)
                 if torch._C._will_engine_execute_node(acc)]
         self.core.arrive_factors(bucket.index, more)
+
+    def _settle_if_opening(self) -> None:
+        """A policy that ``settles_in_next_pass`` (Pipe-SGD) settles its deferred pass here, on the thread
+        about to open the next synced pass, before that pass counts anything (its buckets, the plan and
+        the job slots are the deferred pass's until it closes); outside the lock, which closing takes.
+        Only where a pass opens: every rank settles at the same point of its sequence of collectives."""
+        if self._deferred is None or self.failure is not None or not self.consistency.settles_in_next_pass:
+            return
+        with self._lock:
+            opening = self._pass is None and self._synced_pass_may_start()
+        if opening:
+            with self._settling:
+                self.settle()
 
     def _pass_for(self, task: int) -> Pass | None:
         """The synced pass an accumulation in graph task ``task`` belongs to (opened if need be), or
@@ -397,7 +421,8 @@ class Engine:
             bucket.begin_pass()
         for layer, bucket in self._fc_buckets():
             layer.note_pass_start(bucket)
-        p = Pass(round_, task, shadow=shadow)
+        p = Pass(round_, task, shadow=shadow, began_ns=self._backward_start_ns or time.monotonic_ns())
+        self._backward_start_ns = 0
         p.contexts = [self._context(b, p) for b in self.buckets]
         committed = [b.fc is not None and b.fc.witness is not None for b in self.buckets]
         # the core may run plain PS jobs itself: the engine's own PS path (unless a test swapped it),
@@ -757,6 +782,13 @@ class Engine:
                 self.failure = error
                 raise error
 
+    def after_forward(self, output: object, synced: bool) -> None:
+        """A forward of the wrapper returned: the last step's sync settles now (a synced forward) or, for
+        its values, drains (parameter-server mode), unless the policy ``settles_in_next_pass``."""
+        if not self.defers_passes or self.consistency.settles_in_next_pass:
+            return
+        self.settle(output) if synced else self.drain(output)
+
     def settle(self, output: object = None) -> None:
         """Drain a deferred pass and close it (stats, tracing, learning: may be collective, so only at
         points every rank reaches: the end of a synced forward, the optimizer's step)."""
@@ -774,10 +806,13 @@ class Engine:
     def finish_aborted_pass(self) -> None:
         """A pass still open at the next forward was aborted (its backward raised): finish it so every
         rank's collectives stay in step, keeping nothing."""
+        self._settle_if_opening()
         with self._lock:
             p = self._pass
             armed = list(self._armed.values())
             self._armed.clear()
+            if self.failure is not None:  # e.g. that backward's settle failed: nothing more goes over the wire
+                return
             if p is None and armed:  # it raised after reaching the outputs, before any gradient arrived
                 p = self._open(armed[0], -1, queue_end=False)
             if p is None:
@@ -901,7 +936,7 @@ class Engine:
     def _record_pass(self, p: Pass, iteration: int) -> None:
         """The compute lane's backward spans (each bucket's share, up to its submission) and the spans
         of the jobs the core ran itself, as ``iteration``'s."""
-        last = self._backward_start_ns or p.began_ns
+        last = p.began_ns
         for bucket in sorted(self.buckets, key=lambda b: self.core.submit_ns(b.index)):
             submitted = self.core.submit_ns(bucket.index)
             self.recorder.add("backward", bucket.name, "compute", last, max(last, submitted), iteration)
@@ -911,7 +946,6 @@ class Engine:
             args = {"path": PS, "bytes": bucket.bytes_sent} if kind == "sync" else {"path": PS}
             self.recorder.add(kind, bucket.name, self._lanes[index % len(self._channels)], start, end, iteration,
                               **args)
-        self._backward_start_ns = 0
 
     def _watch_pulls(self, facts: PassFacts) -> None:
         """Lazy pulls with priority: the jobs still running at the end of backward in the first passes of

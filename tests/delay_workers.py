@@ -117,9 +117,11 @@ class SlowPath:
         return (yield from self.inner.sync(bucket, groups, ctx))
 
 
-def overlap(rank: int, world_size: int, delay: int, seconds: float, server: bool = False) -> dict:
-    """Steps whose sync jobs each take ``seconds``: how long ``backward()`` and ``step()`` took, and
-    whether every job of its pass was done when they returned."""
+def overlap(rank: int, world_size: int, delay: int, seconds: float, server: bool = False,
+            idle: float = 0.0) -> dict:
+    """Steps whose sync jobs each take ``seconds``, ``idle`` seconds apart (the rest of an iteration):
+    how long the forward and ``backward()`` with ``step()`` took, and whether every job of the pass was
+    done when they returned (after the forward: the last step's pass)."""
     spec = ModelSpec(widths=(8, 8))
     model = build(spec, seed=0)
     wrapped = PoseidonDDP(model, timeout=60, delay=0 if server else delay, hybrid=False)
@@ -130,19 +132,25 @@ def overlap(rank: int, world_size: int, delay: int, seconds: float, server: bool
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         for path in list(wrapped.engine.paths):
             wrapped.engine.paths[path] = SlowPath(wrapped.engine.paths[path], seconds)
-    backward_s, done_at_return = [], []
+    forward_s, backward_s, done_after_forward, done_at_return = [], [], [], []
+    engine = wrapped.engine
     for step in range(4):
         opt.zero_grad()
         x, y = batch(spec, step, 2, world_size)
-        loss = F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2))
+        start = time.monotonic()
+        out = wrapped(shard(x, rank, 2))
+        forward_s.append(time.monotonic() - start)
+        done_after_forward.append(all(engine.core.done(b.index) for b in engine.buckets))
+        loss = F.mse_loss(out, shard(y, rank, 2))
         start = time.monotonic()
         loss.backward()
         opt.step()
         backward_s.append(time.monotonic() - start)
-        engine = wrapped.engine
         done_at_return.append(all(engine.core.done(b.index) for b in engine.buckets))
+        time.sleep(idle)
     wrapped.close()
-    return {"backward_s": backward_s, "done_at_return": done_at_return}
+    return {"forward_s": forward_s, "backward_s": backward_s, "done_after_forward": done_after_forward,
+            "done_at_return": done_at_return}
 
 
 def _server_steps(spec: ModelSpec, rank: int, world_size: int, wrapped: PoseidonDDP, opt, first: int,

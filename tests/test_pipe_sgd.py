@@ -85,14 +85,25 @@ def test_delay_zero_is_bit_identical_to_bsp(cluster, cases):
 @pytest.mark.parametrize("server", [False, True], ids=["default", "server"])
 def test_backward_returns_while_its_sync_still_runs(cluster, server):
     """Every sync job sleeps 0.4 s. Under BSP ``backward(); step()`` waits for them; with delay=1 both
-    return with the jobs still running (it fails if step t's sync is waited for at the end of step t)."""
+    return with the jobs still running (it fails if step t's sync is waited for at the end of step t),
+    given the rest of an iteration (1 s idle here) for them to end in."""
     bsp = cluster.run(dw.overlap, 0, 0.4, server)
-    delayed = cluster.run(dw.overlap, 1, 0.4, server)
+    delayed = cluster.run(dw.overlap, 1, 0.4, server, 1.0)
     for rank in range(cluster.world_size):
         # (the first pass's buckets are rebuilt when it closes: from the second pass on)
         assert all(bsp[rank]["done_at_return"][1:]) and min(bsp[rank]["backward_s"]) >= 0.4, bsp[rank]
         assert not any(delayed[rank]["done_at_return"][1:]), delayed[rank]
         assert max(delayed[rank]["backward_s"][1:]) < 0.3, delayed[rank]
+
+
+def test_the_next_forward_does_not_wait_for_the_last_sync(cluster):
+    """Default mode, delay=1, jobs of 0.4 s and no idle time between steps: the forward of step t+1
+    returns at once with step t's jobs still running, and the backward of step t+1 waits for them (before
+    its first gradient counts): a step's sync has the next forward and the start of the next backward to
+    end in (it fails if the forward waits for it)."""
+    for rank, result in enumerate(cluster.run(dw.overlap, 1, 0.4)):
+        assert not any(result["done_after_forward"][1:]), (rank, result)
+        assert max(result["forward_s"][1:]) < 0.2 and min(result["backward_s"][1:]) > 0.2, (rank, result)
 
 
 @pytest.mark.parametrize("k,opt", [(1, "sgd"), (2, "adamw")])
@@ -116,12 +127,12 @@ def test_every_rank_raising_in_backward_drops_that_step_everywhere(cluster):
 def test_one_rank_raising_in_backward_ends_training_everywhere_with_its_name(cluster):
     """With no barrier per step the other ranks return from that backward and step before they can
     learn of the exception, so the step cannot be skipped everywhere: every rank gets a SyncError naming
-    the raising rank at its next forward (the raising rank after its own exception), and the engine
-    refuses to go on after it."""
+    the raising rank at its next synced backward, where the step settles (the raising rank after its own
+    exception), and the engine refuses to go on after it."""
     last = cluster.world_size - 1
     for rank, events in enumerate(cluster.run(dw.raise_alone, 1)):
         own = [(2, "backward")] if rank == last else []
-        assert [(step, where) for step, where, _ in events] == own + [(3, "forward"), (4, "forward")], events
+        assert [(step, where) for step, where, _ in events] == own + [(3, "backward"), (4, "forward")], events
         named = events[-2][2]
         assert named.startswith("SyncError") and f"rank(s) {last} raised" in named and "delay=1" in named, named
         assert "cannot continue after a failed sync" in events[-1][2], events

@@ -222,7 +222,7 @@ def test_profile_out_is_the_traced_profile_before_the_options(tmp_path):
 
 def test_a_trace_whose_forward_waits_for_the_network_is_refused(cluster, tmp_path):
     cluster.run(simulate_workers.traced_delayed, str(tmp_path))
-    with pytest.raises(ValueError, match="forward waits for the network"):
+    with pytest.raises(ValueError, match="forward or backward waits for the last step"):
         from_trace(tmp_path / "trace_merged.json")
 
 

@@ -56,18 +56,24 @@ def test_real_trace_covers_every_layer_and_rank_and_summary_agrees(cluster, tmp_
     assert summary["waits_ms_per_iteration"]["jobs"] > 0
 
 
-def test_pipe_sgd_trace_shows_the_jobs_waited_for_in_the_next_forward(cluster, tmp_path):
-    """delay=1: a pass's jobs, then its facts, are waited for at the next forward, before that step's
-    backward begins; nothing is waited for at the end of a backward (no barrier per step)."""
+def test_pipe_sgd_trace_shows_the_jobs_waited_for_in_the_next_backward(cluster, tmp_path):
+    """delay=1: a pass's jobs, then its facts, are waited for in the next step's backward, after its
+    forward and before its first bucket is submitted; nothing is waited for at the end of a backward (no
+    barrier per step). Each step's backward spans lie in its own backward, after its forward."""
     from poseidon_torch.trace import files as tracefile
 
     cluster.run(workers.traced_training, str(tmp_path), 3, 1)
     for rank_spans in tracefile.load_spans(tmp_path / "trace_merged.json").values():
         for iteration in (1, 2):
             waits = _waits(rank_spans, iteration)
-            backward_starts = [s.start_ns for s in rank_spans if s.kind == "backward" and s.iteration == iteration]
+            (forward,) = [s for s in rank_spans if s.kind == "forward" and s.iteration == iteration]
+            backward = sorted((s for s in rank_spans if s.kind == "backward" and s.iteration == iteration),
+                              key=lambda s: s.start_ns)
+            assert forward.end_ns <= backward[0].start_ns <= waits["jobs"].start_ns, iteration
             assert waits["jobs"].end_ns <= waits["facts"].start_ns, iteration
-            assert waits["facts"].end_ns <= min(backward_starts), iteration
+            assert waits["facts"].end_ns <= backward[0].end_ns, iteration
+            (next_forward,) = [s for s in rank_spans if s.kind == "forward" and s.iteration == iteration + 1]
+            assert backward[-1].end_ns <= next_forward.start_ns, iteration
 
 
 def test_a_pipe_sgd_window_whose_last_pass_is_open_at_close_is_written_whole(cluster, tmp_path):

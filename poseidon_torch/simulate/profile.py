@@ -179,8 +179,8 @@ def from_trace(path: PathLike) -> Profile:
                          "record it again)")
     layout = layouts[0]
     if layout.get("forward_waits"):
-        raise ValueError(f"{path}: traced in a mode whose forward waits for the network (Pipe-SGD's delay, lazy_pull, "
-                         "or a ServerOptimizer with staleness), so its forward is not compute alone; trace the same "
+        raise ValueError(f"{path}: traced in a mode whose forward or backward waits for the last step's sync (Pipe-SGD's "
+                         "delay, lazy_pull, or a ServerOptimizer with staleness), so they are not compute alone; trace the same "
                          "model in the default mode (PoseidonDDP, or a ServerOptimizer without those options)")
     try:
         return _profile_of(path, layout, load_spans(path))
