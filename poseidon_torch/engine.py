@@ -353,7 +353,7 @@ class Engine:
     # ---- autograd side: events ---------------------------------------------------------------------
 
     def _armed_by(self, round_: Round | None) -> None:
-        if self._deferred is not None and self._deferred.pass_.round is round_:
+        if self._deferred is not None and round_ is not self._round:  # not through this round's forwards
             raise RuntimeError("PoseidonDDP: a second synced backward before the next forward: with a ServerOptimizer "
                                "or delay=k each synced backward is one optimizer step (its sync runs on after it); "
                                "accumulate with no_sync() or run one backward per forward")

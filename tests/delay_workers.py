@@ -340,11 +340,19 @@ def misused_loop(rank: int, world_size: int, loop: str) -> str:
     model = build(spec, seed=0)
     wrapped = PoseidonDDP(model, timeout=30, delay=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    previous = None
     try:
         for step in range(3):
             opt.zero_grad()
             x, y = batch(spec, step, 4, world_size)
-            if loop == "accumulate_without_no_sync":
+            if loop == "previous_steps_graph":  # again through the last step's graph, no forward since
+                loss = F.mse_loss(wrapped(shard(x, rank, 4)), shard(y, rank, 4))
+                loss.backward(retain_graph=True)
+                if previous is not None:
+                    opt.zero_grad()
+                    previous.backward()
+                previous = loss
+            elif loop == "accumulate_without_no_sync":
                 for half in (slice(0, 2), slice(2, 4)):
                     F.mse_loss(wrapped(shard(x, rank, 4)[half]), shard(y, rank, 4)[half]).backward()
             elif loop == "retained_graph":

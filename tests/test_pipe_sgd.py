@@ -268,7 +268,8 @@ def test_server_checkpoint_carries_the_values_in_flight(cluster, k):
 
 # ---- what a break-test found: misuse refused, the last step's exception, the final model ---------------
 
-@pytest.mark.parametrize("loop", ["accumulate_without_no_sync", "retained_graph", "never_zero_grad"])
+@pytest.mark.parametrize("loop", ["accumulate_without_no_sync", "retained_graph", "previous_steps_graph",
+                                  "never_zero_grad"])
 def test_more_than_one_synced_backward_per_step_is_refused(cluster, loop):
     """Each synced backward is one step of the pipeline: a loop that runs two per optimizer step (or
     never clears the handed-out gradient) would sync a mix of steps; it gets a clear error on every rank."""
