@@ -190,8 +190,9 @@ class Recorder:
                       f"began (trace_skip={self.config.skip}): nothing was recorded; lower trace_skip")
             return
         self._write_files([], self._meta(recorded))
-        ended = ("the trace window's last pass was still open when the wrapper closed (with delay=k, lazy pulls or "
-                 "a ServerOptimizer delay a step's pass closes at the next forward)" if recorded == self.config.iters
+        ended = ("the trace window's last pass was still open when the wrapper closed (with lazy pulls or a "
+                 "ServerOptimizer delay a step's pass closes at the next forward, with delay=k in the next backward)"
+                 if recorded == self.config.iters
                  else f"the run ended after {recorded} of the {self.config.iters} traced iteration(s)")
         self._say(f"{ended}: wrote each rank's trace to {self.config.directory}/trace_rank*.json (no merged trace); "
                   f"merge them with `python -m poseidon_torch.trace merge -o trace_merged.json "
