@@ -791,7 +791,8 @@ class Engine:
 
     def settle(self, output: object = None) -> None:
         """Drain a deferred pass and close it (stats, tracing, learning: may be collective, so only at
-        points every rank reaches: the end of a synced forward, the optimizer's step)."""
+        points every rank reaches: the end of a synced forward, the next synced pass opening, the
+        optimizer's step)."""
         self.drain(output)
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
