@@ -14,7 +14,8 @@ Hand-computed (compute = [0, 300k]):
 - exposed per rank-iteration = 3 * (100k + 80k) / 6 = 90k ns = 0.09 ms; comm = 3 * 330k / 6 = 0.165 ms.
 - fc2 hidden share = 3 * (50k + 100k) / (6 * 100k) = 0.75 (backward fc1 covers [200k, 300k]);
   fc1 hidden share = 0 (its network starts after backward ends).
-- iteration time median of [450, 450, 460, 460, 500, 500] us = 0.46 ms.
+- iteration time median of [450, 450, 460, 460, 500, 500] us = 0.46 ms; iterations start 1000 us apart
+  (2 periods per rank), so the step period is 1.0 ms.
 """
 from __future__ import annotations
 
@@ -176,6 +177,7 @@ def test_summary_json_matches_hand_computed_values(merged, capsys):
     assert summary["exposed_comm_ms_per_iteration"] == pytest.approx(0.09)
     assert summary["comm_ms_per_iteration"] == pytest.approx(0.165)
     assert summary["iteration_ms_median"] == pytest.approx(0.46)
+    assert summary["step_ms_median"] == pytest.approx(1.0)
     layers = {row["layer"]: row for row in summary["layers"]}
     assert [row["layer"] for row in summary["layers"]] == ["fc2", "fc1"]
     assert layers["fc2"] == pytest.approx(
@@ -230,7 +232,7 @@ def test_summary_text_is_an_aligned_table(merged, capsys):
     table = lines[header:header + 3]
     assert table[1].split()[:2] == ["fc2", "SFB"] and table[2].split()[:2] == ["fc1", "PS"]
     assert len({len(line) for line in table}) == 1  # right-aligned last column
-    assert "75.0%" in table[1] and "45.5%" in out and "0.090 ms" in out and "0.460 ms" in out
+    assert "75.0%" in table[1] and "45.5%" in out and "0.090 ms" in out and "0.460 ms" in out and "1.000 ms" in out
 
 
 def test_plot_writes_a_png(merged, tmp_path):

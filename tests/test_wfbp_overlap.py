@@ -54,16 +54,25 @@ def test_real_trace_covers_every_layer_and_rank_and_summary_agrees(cluster, tmp_
             assert waits["jobs"].start_ns >= max(backward_starts)
             assert waits["facts"].start_ns >= waits["jobs"].end_ns
     assert summary["waits_ms_per_iteration"]["jobs"] > 0
+    for rank_spans in spans.values():  # BSP: a pass closes inside its step
+        for span, period in _iterations_and_periods(rank_spans):
+            assert span.duration_ns < period, (span, period)
 
 
 def test_pipe_sgd_trace_shows_the_jobs_waited_for_in_the_next_backward(cluster, tmp_path):
     """delay=1: a pass's jobs, then its facts, are waited for in the next step's backward, after its
     forward and before its first bucket is submitted; nothing is waited for at the end of a backward (no
-    barrier per step). Each step's backward spans lie in its own backward, after its forward."""
+    barrier per step). Each step's backward spans lie in its own backward, after its forward; an
+    iteration span (to where its pass closes) outlasts the step period."""
+    from poseidon_torch import trace
     from poseidon_torch.trace import files as tracefile
 
     cluster.run(workers.traced_training, str(tmp_path), 3, 1)
-    for rank_spans in tracefile.load_spans(tmp_path / "trace_merged.json").values():
+    spans = tracefile.load_spans(tmp_path / "trace_merged.json")
+    assert trace.summarize(spans)["step_ms_median"] is not None
+    for rank_spans in spans.values():
+        for span, period in _iterations_and_periods(rank_spans):
+            assert span.duration_ns > period, (span, period)
         for iteration in (1, 2):
             waits = _waits(rank_spans, iteration)
             (forward,) = [s for s in rank_spans if s.kind == "forward" and s.iteration == iteration]
@@ -90,6 +99,12 @@ def test_a_pipe_sgd_window_whose_last_pass_is_open_at_close_is_written_whole(clu
             assert sum(s.kind == "iteration" and s.iteration == iteration for s in spans) == 1, (rank, iteration)
             assert any(s.kind == "backward" and s.iteration == iteration for s in spans), (rank, iteration)
         assert {s.iteration for s in spans} == {1, 2, 3}
+
+
+def _iterations_and_periods(spans) -> list:
+    """(iteration span, ns from its start to the next iteration's start) for consecutive iterations."""
+    by_index = {s.iteration: s for s in spans if s.kind == "iteration"}
+    return [(span, by_index[i + 1].start_ns - span.start_ns) for i, span in by_index.items() if i + 1 in by_index]
 
 
 def _waits(spans, iteration: int) -> dict:

@@ -14,7 +14,10 @@ Definitions (time sets are unions of span intervals, see :mod:`poseidon_torch.ov
 - a layer is the name of ``sync``/``network`` spans: its bytes come from ``args["bytes"]`` of its
   ``sync`` spans, its comm time is the summed duration of its ``network`` spans, and its hidden share
   is the part of its ``network`` time covered by the same rank's ``backward`` spans;
-- iteration time is the median duration of ``iteration`` spans (``null`` without them).
+- iteration time is the median duration of ``iteration`` spans (``null`` without them): from a step's
+  first synced forward to where its pass closes, which in a deferred mode (``delay=k``, lazy pulls) is
+  in the next step; the step period is the median time from an iteration's start to the next one's on
+  the same rank (``null`` without two consecutive iterations), what a benchmark's step time measures.
 
 """
 from __future__ import annotations
@@ -40,10 +43,22 @@ def summarize(spans_by_rank: dict[int, list[Span]]) -> dict:
         "overlap_ratio": _ratio(hidden_ns, comm_ns),
         "comm_ms_per_iteration": _per(comm_ns, samples) / NS_PER_MS,
         "exposed_comm_ms_per_iteration": _per(comm_ns - hidden_ns, samples) / NS_PER_MS,
-        "iteration_ms_median": statistics.median(durations) / NS_PER_MS if durations else None,
+        "iteration_ms_median": _median_ms(durations),
+        "step_ms_median": _median_ms(list(_step_periods_ns(spans_by_rank))),
         "waits_ms_per_iteration": _waits(spans_by_rank, samples),
         "layers": [_layer_row(name, spans_by_rank, samples) for name in _layer_names(spans_by_rank)],
     }
+
+
+def _step_periods_ns(spans_by_rank: dict[int, list[Span]]) -> Iterable[int]:
+    """Per rank, the time from each iteration's start to the next iteration's (consecutive ones only)."""
+    for spans in spans_by_rank.values():
+        starts = {s.iteration: s.start_ns for s in spans if s.kind == "iteration"}
+        yield from (starts[i + 1] - starts[i] for i in starts if i + 1 in starts)
+
+
+def _median_ms(values_ns: list[int]) -> float | None:
+    return statistics.median(values_ns) / NS_PER_MS if values_ns else None
 
 
 def format_summary(summary: dict, title: str) -> str:
@@ -60,6 +75,8 @@ def format_summary(summary: dict, title: str) -> str:
         ("communication per iteration", f"{summary['comm_ms_per_iteration']:.3f} ms"),
         ("exposed communication per iteration", f"{summary['exposed_comm_ms_per_iteration']:.3f} ms"),
         ("iteration time (median)", "-" if median is None else f"{median:.3f} ms"),
+        ("step period (median, start to next start)",
+         "-" if summary["step_ms_median"] is None else f"{summary['step_ms_median']:.3f} ms"),
         ("training thread waiting on the sync per iteration", _format_waits(summary["waits_ms_per_iteration"])),
     ]
     label_width = max(len(label) for label, _ in totals)
