@@ -61,6 +61,10 @@ def _median_ms(values_ns: list[int]) -> float | None:
     return statistics.median(values_ns) / NS_PER_MS if values_ns else None
 
 
+def _ms_or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} ms"
+
+
 def format_summary(summary: dict, title: str) -> str:
     """``summary`` as an aligned plain-text table followed by the totals."""
     header = ("layer", "path", "bytes/iter", "comm ms/iter", "hidden")
@@ -69,14 +73,12 @@ def format_summary(summary: dict, title: str) -> str:
          f"{row['comm_ms_per_iteration']:.3f}", f"{row['hidden_share']:.1%}")
         for row in summary["layers"]
     ]
-    median = summary["iteration_ms_median"]
     totals = [
         ("overlap ratio (HTA, comm hidden by compute)", f"{summary['overlap_ratio']:.1%}"),
         ("communication per iteration", f"{summary['comm_ms_per_iteration']:.3f} ms"),
         ("exposed communication per iteration", f"{summary['exposed_comm_ms_per_iteration']:.3f} ms"),
-        ("iteration time (median)", "-" if median is None else f"{median:.3f} ms"),
-        ("step period (median, start to next start)",
-         "-" if summary["step_ms_median"] is None else f"{summary['step_ms_median']:.3f} ms"),
+        ("iteration time (median)", _ms_or_dash(summary["iteration_ms_median"])),
+        ("step period (median, start to next start)", _ms_or_dash(summary["step_ms_median"])),
         ("training thread waiting on the sync per iteration", _format_waits(summary["waits_ms_per_iteration"])),
     ]
     label_width = max(len(label) for label, _ in totals)
