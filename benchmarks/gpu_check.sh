@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check of the CUDA paths in one run (about 7 minutes on one H100/H200), from the repo root:
 #
-#   bash benchmarks/gpu_check.sh OUT_DIR [REPEATS] [STAGES]
+#   [MODES=m1,m2,...] bash benchmarks/gpu_check.sh OUT_DIR [REPEATS] [STAGES]
 #
 # STAGES: a comma-separated subset of tests,overlap,bench,blocking (default: all of them; the install runs always).
+# MODES: the benchmark's modes (default: compute-only,torch-ddp,poseidon-ps,poseidon-hybrid,poseidon-server).
 # 1. the GPU and torch there; the package installed against that torch (the native core builds for CPU
 #    tensors), in the background while the tests run from the source tree;
 # 2. tests/test_cuda.py (2 and 3 ranks on the GPU), then the parity, SFB, pattern, server and Pipe-SGD
@@ -59,7 +60,7 @@ grep -E "^==|training|copy time|overlap ratio" "$out/overlap.log" | sed 's/^/   
 fi
 
 if want bench; then
-modes=compute-only,torch-ddp,poseidon-ps,poseidon-hybrid,poseidon-server
+modes=${MODES:-compute-only,torch-ddp,poseidon-ps,poseidon-hybrid,poseidon-server}
 for workload in resnet18 gpt2; do
   for run in $(seq "$repeats"); do
     stage "bench $workload #$run" 100 "$out/bench.txt" python3 -m poseidon_torch.bench --mode localhost --hosts 2 \
