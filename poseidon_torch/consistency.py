@@ -110,6 +110,9 @@ class BSP:
     #: instead of at the end of the next synced forward: nothing a forward reads depends on it, so its
     #: jobs get the next forward and the first part of the next backward to finish in
     settles_in_next_pass = False
+    #: how many nice steps below the training thread the threads carrying the sync run
+    #: (``pools.started_at_lower_priority``): under BSP the sync is what the end of backward waits for
+    sync_nice = 0
     #: a policy that is not ``lockstep`` cannot learn buckets from a common step: its buckets are fused
     #: once, in reverse registration order, up to this many bytes besides the largest layer (or the
     #: engine's ``fusion_bytes`` when smaller)
@@ -179,6 +182,9 @@ class Delayed(BSP):
     defers = True
     barrier_free = True
     settles_in_next_pass = True  #: the averages are handed out only when the next synced backward returns
+    #: the sync has a whole iteration and the training thread is the critical path: it gets the cores
+    #: first (measured: README, Pipe-SGD, *The training thread first*)
+    sync_nice = 10
 
     def __init__(self, delay: int) -> None:
         if delay < 1:

@@ -42,7 +42,7 @@ from .core import native_status
 from .engine import CommStats, Engine
 from .env import option
 from .link import LinkModel, default_link, probe_gemm_flops, probe_link
-from .pools import Groups
+from .pools import Groups, started_at_lower_priority
 from .replicas import BroadcastInFlight, broadcast_from, check_same_model
 from .sfb import fc_spec
 from .trace import Recorder, TraceConfig
@@ -203,8 +203,9 @@ class PoseidonDDP(nn.Module, Joinable):
             self._group = _group_over(self._group_ranks)
         options = self.options
         self.rank, self.world_size = dist.get_rank(self._group), dist.get_world_size(self._group)
-        self._groups = Groups.create(self._group, self._backend, options.num_channels,
-                                     timedelta(seconds=options.timeout))
+        consistency = consistency_for(options.delay)
+        self._groups = started_at_lower_priority(consistency.sync_nice, lambda: Groups.create(
+            self._group, self._backend, options.num_channels, timedelta(seconds=options.timeout)))
         check_same_model(self.module, options, self._groups.control)
         device = _single_device(self.module)
         self._ddp_arguments.check_device(device)
@@ -221,7 +222,7 @@ class PoseidonDDP(nn.Module, Joinable):
                               fusion_bytes=options.fusion_bytes, timeout=options.timeout, staged=self._staged,
                               recorder=self.recorder, hybrid=options.hybrid, link=link, gemm_flops=gemm,
                               overrides=dict(options.overrides), native=native,
-                              consistency=consistency_for(options.delay))
+                              consistency=consistency)
         self._announce(device)
         _WRAPPED[self.module] = weakref.ref(self)
 

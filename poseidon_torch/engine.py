@@ -57,7 +57,7 @@ from .env import flag, option
 from .graph import hook_target
 from .kvstore import PSPath, ps_messages
 from .link import LinkModel, theil_sen
-from .pools import Groups, StreamPool
+from .pools import Groups, StreamPool, started_at_lower_priority
 from .schedule import ChannelPlan, Halves, SyncingAtEnd, plan_channels
 from .server import Server, merge_exports
 from .sfb import FCLayer, SFBPath, fc_eligible, fc_layers
@@ -194,8 +194,8 @@ class Engine:
         self._streams = StreamPool(device, len(self._channels)) if device.type == "cuda" else None
         self._lanes = [f"channel-{i}" for i in range(len(self._channels))]
         make = NativeCore if native and device.type == "cpu" else PythonCore
-        self.core = make(self.params, self._channels, self._run_job, self._on_idle, self._stage,
-                         record_order=self.rank == 0)
+        self.core = started_at_lower_priority(self.consistency.sync_nice, lambda: make(
+            self.params, self._channels, self._run_job, self._on_idle, self._stage, record_order=self.rank == 0))
         for layer in self.fc.values():
             layer.on_factors = self._on_factors
         self._round: Round | None = None

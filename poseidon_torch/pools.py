@@ -16,22 +16,51 @@ the jobs of its schedule strictly in that order, waiting for each to be submitte
   over with the new schedule;
 - a job that raises is reported through ``on_error`` and the channel stops (later collectives on its
   groups would be out of step with the peers).
+
+Priority: a policy whose sync is off the training thread's critical path (Pipe-SGD) starts every
+thread that carries it (the channels, the private backends' worker and transport threads) at a lower
+CPU priority than the training thread (:func:`started_at_lower_priority`), so where cores are short the
+training thread is not the one kept waiting.
 """
 from __future__ import annotations
 
+import os
 import pickle
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 Backend = Any  #: a c10d backend object (ProcessGroupGloo / ProcessGroupNCCL)
+T = TypeVar("T")
+
+
+def started_at_lower_priority(nice: int, make: Callable[[], T]) -> T:
+    """``make()``, run on a short-lived thread whose nice value is ``nice`` above the caller's, so every
+    thread it starts (Python or native) runs at that lower CPU priority: on Linux the nice value belongs
+    to a thread and a new thread inherits its creator's. With ``nice`` 0, on another system (where it
+    belongs to the whole process) or where the priority cannot be changed, ``make()`` runs as it is."""
+    if nice == 0 or not sys.platform.startswith("linux"):
+        return make()
+    with ThreadPoolExecutor(1, thread_name_prefix="poseidon-start", initializer=_lower_priority,
+                            initargs=(nice,)) as starter:
+        return starter.submit(make).result()
+
+
+def _lower_priority(nice: int) -> None:
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + nice)
+    except OSError:
+        pass  # a sandbox that forbids it: the sync runs at the training thread's priority
 
 
 def unique_prefix(group: Any) -> str:

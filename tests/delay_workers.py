@@ -3,7 +3,11 @@ SGD they are compared with."""
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 import time
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +155,40 @@ def overlap(rank: int, world_size: int, delay: int, seconds: float, server: bool
     wrapped.close()
     return {"forward_s": forward_s, "backward_s": backward_s, "done_after_forward": done_after_forward,
             "done_at_return": done_at_return}
+
+
+def _threads() -> dict[int, tuple[str, int]]:
+    """This process's threads: native id -> (name, nice value)."""
+    threads = {}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            threads[tid] = (Path(f"/proc/self/task/{tid}/comm").read_text().strip(),
+                            os.getpriority(os.PRIO_PROCESS, tid))
+    return threads
+
+
+def thread_priorities(rank: int, world_size: int, delay: int, engine: str) -> dict:
+    """The training thread's nice value before wrapping and after two steps, and the name and nice value
+    of every thread that wrapping and those steps started (a local step first, so that nothing torch
+    starts lazily for the compute is counted)."""
+    spec = ModelSpec(widths=(16, 8))
+    model = build(spec, seed=0)
+    x, y = batch(spec, 0, 2, world_size)
+    F.mse_loss(model(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+    model.zero_grad()
+    training = threading.get_native_id()
+    before = _threads()
+    wrapped = PoseidonDDP(model, timeout=60, delay=delay, engine=engine)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(2):
+        opt.zero_grad()
+        x, y = batch(spec, step, 2, world_size)
+        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+        opt.step()
+    after = _threads()
+    wrapped.close()
+    return {"training": (before[training][1], after[training][1]),
+            "started": {tid: after[tid] for tid in after.keys() - before.keys()}}
 
 
 def _server_steps(spec: ModelSpec, rank: int, world_size: int, wrapped: PoseidonDDP, opt, first: int,

@@ -3,6 +3,8 @@ gradient of exactly k steps earlier in ``.grad``, a sync that really runs on aft
 checkpoints that carry the gradients in flight, and clear refusals."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -104,6 +106,22 @@ def test_the_next_forward_does_not_wait_for_the_last_sync(cluster):
     for rank, result in enumerate(cluster.run(dw.overlap, 1, 0.4)):
         assert not any(result["done_after_forward"][1:]), (rank, result)
         assert max(result["forward_s"][1:]) < 0.2 and min(result["backward_s"][1:]) > 0.2, (rank, result)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+@pytest.mark.parametrize("engine", ["native", "python"])
+@pytest.mark.parametrize("delay", [0, 1])
+def test_the_sync_threads_yield_the_cores_to_the_training_thread_only_under_pipe_sgd(cluster, delay, engine):
+    """With delay=1 every thread the wrapper starts (its channels, its gloo groups' transport and worker
+    threads) runs 10 nice steps below the training thread, whose own priority is left alone; under BSP
+    they all keep the training thread's."""
+    for rank, result in enumerate(cluster.run(dw.thread_priorities, delay, engine)):
+        training_before, training_after = result["training"]
+        assert training_after == training_before, (rank, result)
+        names = [name for name, _ in result["started"].values()]
+        assert names.count("gloo_tcp_loop") >= 4, (rank, result)  # control, data, a channel's up and down
+        wanted = min(training_before + 10, 19) if delay else training_before
+        assert {nice for _, nice in result["started"].values()} == {wanted}, (rank, result)
 
 
 @pytest.mark.parametrize("k,opt", [(1, "sgd"), (2, "adamw")])
