@@ -51,7 +51,7 @@ def cells(run_dirs: list[Path]) -> dict[str, dict]:
             report = json.loads((directory / "results.json").read_text())
             for mode, result in report["workloads"][cell["workload"]]["modes"].items():
                 if "error" not in result:
-                    cell["times"].setdefault(mode, []).append(result["median_iter_s"])
+                    cell["times"].setdefault(mode, []).append(result["iter_s"])
     for cell in found.values():
         cell["runs"] = min(len(times) for times in cell["times"].values())
         cell["times"] = {mode: statistics.median(times) for mode, times in cell["times"].items()}

@@ -11,7 +11,8 @@ comm hooks, ``../shared/notes/policies.md``):
 - parameter-server mode: ``take_values(bucket)`` (a bucket's new values arrived), ``values_taken()``
   (all of a pass's), ``before_forward()`` (what a forward reads), ``value_source`` (what the owners
   step from), ``forget_values()`` (the user loaded parameters);
-- ``state_dict()`` / ``load_state_dict()``: the in-flight state a checkpoint must carry.
+- ``state_dict()`` / ``load_state_dict()``: the in-flight state a checkpoint must carry;
+- ``sync_nice``: how many nice steps below the training thread the threads that carry the sync run.
 
 :class:`BSP` (the default): a synced backward returns when every sync is done and ``.grad`` holds the
 average of its own gradients. :class:`Delayed` (Pipe-SGD, Li et al. 2018): ``backward()`` of step t

@@ -47,15 +47,22 @@ def started_at_lower_priority(nice: int, make: Callable[[], T]) -> T:
     """``make()``, run on a short-lived thread whose nice value is ``nice`` above the caller's, so every
     thread it starts (Python or native) runs at that lower CPU priority: on Linux the nice value belongs
     to a thread and a new thread inherits its creator's. With ``nice`` 0, on another system (where it
-    belongs to the whole process) or where the priority cannot be changed, ``make()`` runs as it is."""
+    belongs to the whole process) or where the priority cannot be changed, ``make()`` runs as it is.
+    The starter thread has the caller's current CUDA device (a per-thread setting too)."""
     if nice == 0 or not sys.platform.startswith("linux"):
         return make()
-    with ThreadPoolExecutor(1, thread_name_prefix="poseidon-start", initializer=_lower_priority,
-                            initargs=(nice,)) as starter:
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    starter = ThreadPoolExecutor(1, thread_name_prefix="poseidon-start", initializer=_lower_priority,
+                                 initargs=(nice, device))
+    try:
         return starter.submit(make).result()
+    finally:
+        starter.shutdown(wait=False)  # interrupted (Ctrl-C): the caller does not wait for a rendezvous
 
 
-def _lower_priority(nice: int) -> None:
+def _lower_priority(nice: int, cuda_device: int | None) -> None:
+    if cuda_device is not None:
+        torch.cuda.set_device(cuda_device)
     thread = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + nice)

@@ -160,10 +160,10 @@ def add_derived(entry: dict, hosts: int, bandwidth_bps: int) -> None:
     compute = modes["compute-only"]
     ddp = modes["torch-ddp"]
     if "error" not in compute:
-        compute["samples_per_s"] = hosts * compute["batch_per_rank"] / compute["median_iter_s"]
+        compute["samples_per_s"] = hosts * compute["batch_per_rank"] / compute["iter_s"]
         entry["profile"] = compute["profile"]
         entry["minimal_bytes_per_iter_per_host"] = minimal_sync_bytes(compute["profile"], hosts)
-        entry["lower_bound"] = {"compute_s": compute["median_iter_s"],
+        entry["lower_bound"] = {"compute_s": compute["iter_s"],
                                 "network_s": entry["minimal_bytes_per_iter_per_host"] * 8 / bandwidth_bps}
         entry["lower_bound_s"] = max(entry["lower_bound"].values())
     for result in modes.values():
@@ -171,7 +171,7 @@ def add_derived(entry: dict, hosts: int, bandwidth_bps: int) -> None:
             continue
         result["ratio_to_ddp"] = result["samples_per_s"] / ddp["samples_per_s"] if "error" not in ddp else None
         bound = entry.get("lower_bound_s")
-        result["ratio_to_lower_bound"] = result["median_iter_s"] / bound if bound else None
+        result["ratio_to_lower_bound"] = result["iter_s"] / bound if bound else None
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -189,7 +189,7 @@ def table(report: dict) -> str:
                 lines.append(f"{workload:<12} {mode:<20} FAILED: {r['error']}")
                 continue
             lines.append(
-                f"{workload:<12} {mode:<20} {r['median_iter_s'] * 1e3:>9.1f} {r['samples_per_s']:>10.1f} "
+                f"{workload:<12} {mode:<20} {r['iter_s'] * 1e3:>9.1f} {r['samples_per_s']:>10.1f} "
                 f"{_fmt(r['ratio_to_ddp'], '.2f'):>7} {r['bytes_per_iter_per_host'] / 1e6:>12.3f} "
                 f"{r['bytes_source']:<10} {_fmt(None if bound is None else bound * 1e3, '.1f'):>9} "
                 f"{_fmt(r['ratio_to_lower_bound'], '.2f'):>8} {_fmt(r['overlap'], '.1%'):>8} "

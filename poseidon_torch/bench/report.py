@@ -28,7 +28,7 @@ def rows(path: Path) -> list[str]:
                 continue
             state = run.get("optimizer_state_bytes_by_rank")
             out.append("| {} | {} | {} | {} | {:.0f} | {:.0f} | {} | {:.2f} | {} | {} | {} | {} |".format(
-                config["hosts"], config["bandwidth"], workload, mode, run["median_iter_s"] * 1e3,
+                config["hosts"], config["bandwidth"], workload, mode, run["iter_s"] * 1e3,
                 run["samples_per_s"], _or_dash(run.get("ratio_to_ddp"), "{:.2f}x"),
                 run["bytes_per_iter_per_host"] / 1e6, _or_dash(run.get("ratio_to_lower_bound"), "{:.2f}"),
                 _or_dash(run.get("overlap"), "{:.0%}"), _or_dash(run.get("cpu_s_per_iter"), "{:.2f}"),

@@ -24,8 +24,12 @@ All modes use gloo, initialised from the env variables RANK, WORLD_SIZE, MASTER_
 Invariants:
 - An iteration is: zero_grad, forward, loss, backward, optimizer step. The batch is built before the clock
   starts. Warm-up iterations are untimed; one barrier separates warm-up from the timed loop, which itself
-  has no barrier; the per-rank times are gathered after the loop, and an iteration's time is the slowest
-  rank's.
+  has no barrier; the per-rank times are gathered after the loop. The iteration time (``iter_s``) is the
+  slowest rank's mean: its timed loop's wall time over the iterations (the job's throughput). The
+  median over iterations of the slowest rank's time per iteration (``median_iter_s``, the headline
+  until 2026-11-26) overstates it where ranks have no barrier per step (Pipe-SGD, SSP, asynchronous
+  SGD): their long iterations fall on different ranks at different steps, and it took the longest of
+  every step (gpt2, 4 hosts, 1 Gbit/s, ``delay=1``: 3818 ms against a loop of 3066 ms per iteration).
 - CPU seconds per iteration: user + system time of all ranks' processes (every thread) over the timed
   loop, divided by the iterations.
 - Bytes per iteration per host: with ``--wire-iface`` the interface's ``tx_bytes`` delta over the timed loop
@@ -210,6 +214,7 @@ def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, r
     tx_start = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
     cpu_start = cpu_seconds()
     times, losses, api_bytes = [], [], 0
+    loop_start = time.perf_counter()
     for step in range(args.warmup, args.warmup + args.iters):
         batch = workload.make_batch(rank, step)
         start = time.perf_counter()
@@ -217,9 +222,10 @@ def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, r
         times.append(time.perf_counter() - start)
         if args.mode in POSEIDON_MODES:
             api_bytes += model.comm_stats.bytes_sent_last_iteration
+    loop_s = time.perf_counter() - loop_start
     tx_end = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
     jobs = model.comm_stats.jobs_last_iteration if args.mode in POSEIDON_MODES else None
-    return {"times": times, "losses": losses, "api_bytes_per_iter": api_bytes / args.iters, "jobs_last_iter": jobs,
+    return {"times": times, "loop_s": loop_s, "losses": losses, "api_bytes_per_iter": api_bytes / args.iters, "jobs_last_iter": jobs,
             "wire_bytes_per_iter": (tx_end - tx_start) / args.iters,
             "cpu_s_per_iter": (cpu_seconds() - cpu_start) / args.iters,
             "optimizer_state_bytes": optimizer_state_bytes(optimizer)}
@@ -248,13 +254,14 @@ def bytes_per_iter(args: argparse.Namespace, records: list[dict], param_bytes: i
 def summarise(args: argparse.Namespace, records: list[dict], workload: Workload, param_bytes: int) -> dict:
     world = len(records)
     iter_times = [max(ts) for ts in zip(*(r["times"] for r in records))]
-    median = statistics.median(iter_times)
+    iter_s = max(r["loop_s"] for r in records) / args.iters
     mean_bytes, source, per_rank_bytes = bytes_per_iter(args, records, param_bytes)
     result = {
         "mode": args.mode, "workload": args.workload, "tiny": args.tiny, "compiled": args.compile, "world_size": world,
         "batch_per_rank": workload.batch_size, "threads": args.threads, "iters": args.iters, "warmup": args.warmup,
-        "iter_times_s": iter_times, "median_iter_s": median, "mean_iter_s": statistics.fmean(iter_times),
-        "samples_per_s": world * workload.batch_size / median,
+        "iter_s": iter_s, "iter_s_by_rank": [r["loop_s"] / args.iters for r in records],
+        "iter_times_s": iter_times, "median_iter_s": statistics.median(iter_times),
+        "samples_per_s": world * workload.batch_size / iter_s,
         "bytes_per_iter_per_host": mean_bytes, "bytes_source": source, "bytes_per_iter_by_rank": per_rank_bytes,
         "cpu_s_per_iter": sum(r["cpu_s_per_iter"] for r in records),
         "losses_rank0": records[0]["losses"], "optimizer": args.optimizer,
