@@ -157,6 +157,16 @@ def overlap(rank: int, world_size: int, delay: int, seconds: float, server: bool
             "done_at_return": done_at_return}
 
 
+def _sgd_steps(wrapped: PoseidonDDP, spec: ModelSpec, rank: int, world_size: int, steps: int, lr: float) -> None:
+    """``steps`` plain SGD steps of ``wrapped`` on this rank's half of the test batches."""
+    opt = torch.optim.SGD(wrapped.parameters(), lr=lr)
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(spec, step, 2, world_size)
+        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+        opt.step()
+
+
 def _threads() -> dict[int, tuple[str, int]]:
     """This process's threads: native id -> (name, nice value)."""
     threads = {}
@@ -179,12 +189,7 @@ def thread_priorities(rank: int, world_size: int, delay: int, engine: str) -> di
     training = threading.get_native_id()
     before = _threads()
     wrapped = PoseidonDDP(model, timeout=60, delay=delay, engine=engine)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(2):
-        opt.zero_grad()
-        x, y = batch(spec, step, 2, world_size)
-        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
-        opt.step()
+    _sgd_steps(wrapped, spec, rank, world_size, steps=2, lr=0.01)
     after = _threads()
     wrapped.close()
     return {"training": (before[training][1], after[training][1]),
@@ -517,12 +522,7 @@ def buffers_at_forward(rank: int, world_size: int, delay: int, replaced: bool = 
     seen = []
     model.register_forward_pre_hook(lambda m, _: seen.append({k: b.clone() for k, b in m.named_buffers()}))
     wrapped = PoseidonDDP(model, timeout=60, delay=delay)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(4):
-        opt.zero_grad()
-        x, y = batch(spec, step, 2, world_size)
-        F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
-        opt.step()
+    _sgd_steps(wrapped, spec, rank, world_size, steps=4, lr=0.1)
     wrapped.close()
     return seen
 
