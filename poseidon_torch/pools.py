@@ -31,7 +31,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -48,16 +47,27 @@ def started_at_lower_priority(nice: int, make: Callable[[], T]) -> T:
     thread it starts (Python or native) runs at that lower CPU priority: on Linux the nice value belongs
     to a thread and a new thread inherits its creator's. With ``nice`` 0, on another system (where it
     belongs to the whole process) or where the priority cannot be changed, ``make()`` runs as it is.
-    The starter thread has the caller's current CUDA device (a per-thread setting too)."""
+    The starter thread has the caller's current CUDA device (a per-thread setting too); it is a daemon,
+    so an interrupted caller's process does not wait at exit for the rendezvous it may be stuck in."""
     if nice == 0 or not sys.platform.startswith("linux"):
         return make()
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-    starter = ThreadPoolExecutor(1, thread_name_prefix="poseidon-start", initializer=_lower_priority,
-                                 initargs=(nice, device))
-    try:
-        return starter.submit(make).result()
-    finally:
-        starter.shutdown(wait=False)  # interrupted (Ctrl-C): the caller does not wait for a rendezvous
+    outcome: list = []
+
+    def start() -> None:
+        try:
+            _lower_priority(nice, device)
+            outcome.append((True, make()))
+        except BaseException as exc:  # raised again on the caller's thread
+            outcome.append((False, exc))
+
+    starter = threading.Thread(target=start, name="poseidon-start", daemon=True)
+    starter.start()
+    starter.join()
+    made, value = outcome[0]
+    if not made:
+        raise value
+    return value
 
 
 def _lower_priority(nice: int, cuda_device: int | None) -> None:

@@ -90,3 +90,15 @@ def test_the_iteration_time_is_the_jobs_throughput_not_the_longest_rank_of_every
     result = summarise(args, records, build("fc_heavy", tiny=True), param_bytes=1000)
     assert result["iter_s"] == pytest.approx(2.0) and result["median_iter_s"] == pytest.approx(3.0)
     assert result["samples_per_s"] == pytest.approx(2 * result["batch_per_rank"] / 2.0)
+
+
+def test_the_report_refuses_results_written_before_iter_s(tmp_path: Path):
+    """An older results file has only ``median_iter_s``, another metric: the report says so by name
+    instead of mixing the two in one table."""
+    from poseidon_torch.bench import report
+
+    old = tmp_path / "results.json"
+    old.write_text(json.dumps({"config": {"hosts": 2, "bandwidth": "1gbit", "bandwidth_enforced": True},
+                               "workloads": {"gpt2": {"modes": {"torch-ddp": {"median_iter_s": 1.0}}}}}))
+    with pytest.raises(SystemExit, match="written before 2026-11-26, without iter_s"):
+        report.main([str(old)])

@@ -3,7 +3,10 @@ gradient of exactly k steps earlier in ``.grad``, a sync that really runs on aft
 checkpoints that carry the gradients in flight, and clear refusals."""
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,8 @@ from hypothesis import strategies as st
 
 import delay_workers as dw
 from models import ModelSpec, fc_specs, model_specs
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 5
@@ -122,6 +127,38 @@ def test_the_sync_threads_yield_the_cores_to_the_training_thread_only_under_pipe
         assert names.count("gloo_tcp_loop") >= 4, (rank, result)  # control, data, a channel's up and down
         wanted = min(training_before + 10, 19) if delay else training_before
         assert {nice for _, nice in result["started"].values()} == {wanted}, (rank, result)
+
+
+AFTER_MAIN_RETURNED = """
+import os, threading, time
+from poseidon_torch.pools import started_at_lower_priority
+
+def nice():
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+def started_thread_nice():
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(nice()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+def train():
+    time.sleep(0.3)  # the main thread has returned: interpreter shutdown has begun
+    print("started", started_at_lower_priority(10, started_thread_nice) - nice())
+
+threading.Thread(target=train).start()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_the_sync_threads_start_from_a_training_thread_that_outlives_the_main_thread():
+    """A training thread still running after the main thread returned starts the sync's threads at the
+    lower priority (a ``concurrent.futures`` starter refused to: found by a break-test)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))))
+    done = subprocess.run([sys.executable, "-c", AFTER_MAIN_RETURNED], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.split() == ["started", "10"], done.stderr
 
 
 @pytest.mark.parametrize("k,opt", [(1, "sgd"), (2, "adamw")])

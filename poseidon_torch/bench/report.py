@@ -17,6 +17,10 @@ HEADER = ("| hosts | link | workload | mode | iteration ms | samples/s | vs DDP 
 
 def rows(path: Path) -> list[str]:
     results = json.loads(path.read_text())
+    if any("median_iter_s" in run and "iter_s" not in run for entry in results["workloads"].values()
+           for run in entry["modes"].values()):
+        raise SystemExit(f"{path}: written before 2026-11-26, without iter_s (its median_iter_s is another "
+                         "metric, see bench/worker.py); run it again to put it in this table")
     config = dict(results["config"])
     if not config.get("bandwidth_enforced"):
         config["bandwidth"] = "localhost"  # the bandwidth was only the lower bound's assumption
