@@ -79,6 +79,8 @@ def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list
         opt.finish()  # the newest values in the parameters, on every rank (with staleness: every push applied)
     if args.server:
         print(f"[{wrapper}] rank {rank}: optimizer state {state_bytes(opt) / 1e6:.2f} MB", flush=True)
+    if hasattr(wrapped, "close"):
+        wrapped.close()  # PoseidonDDP: end its collectives in flight now, not at the interpreter's teardown
     return times[args.warmup:]
 
 

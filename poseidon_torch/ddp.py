@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from .barrier import SyncError
 from .compat import DDPArguments
 from .compiled import DDP_SPLIT_BYTES, SplitAt, splitting_compiled_graphs
 from .consistency import check_delay, consistency_for
@@ -259,18 +260,30 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def close(self) -> None:
         """Stop the sync threads, remove every hook, release the process groups and finish writing a
-        trace (also done when the process exits). The wrapper then runs the module locally, as a
-        plain module, and never starts another engine."""
+        trace (also done when the process exits, for a wrapper still alive then: call it when training
+        ends, since one freed unclosed may leave collectives in flight to the interpreter's teardown).
+        The wrapper then runs the module locally, as a plain module, and never starts another engine."""
         self._closed = True
         engine, self._engine = self._engine, None
         if engine is None:
             return
+        self._end_buffers_in_flight(engine)
         engine.close()
         self.recorder.finish()
         self.recorder.flush()
         self._groups = None  # the private backends close when the last reference goes
         if _WRAPPED.get(self.module) is not None and _WRAPPED[self.module]() is self:
             del _WRAPPED[self.module]
+
+    def _end_buffers_in_flight(self, engine: Engine) -> None:
+        """Wait for the broadcast of rank 0's buffers the last synced forward started (a barrier-free
+        policy's; nothing lands). Left to gloo's threads, it could end during the interpreter's teardown,
+        and a tensor freed there then aborts the process ("terminate called without an active
+        exception"). A failed engine does not wait (its peers may be gone)."""
+        in_flight, self._buffers_in_flight = self._buffers_in_flight, None
+        if in_flight is not None and engine.failure is None:
+            with contextlib.suppress(SyncError):
+                engine.wait_for_peers("the broadcast of rank 0's buffers", in_flight.wait)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

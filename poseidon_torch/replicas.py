@@ -71,11 +71,15 @@ class BroadcastInFlight:
                 wire = flat.cpu() if staged else flat
                 self._parts.append((_layout(kind_tensors), wire, data.start_broadcast(wire, src)))
 
+    def wait(self) -> None:
+        """Wait for the values to be sent and received (nothing is written)."""
+        for _, _, work in self._parts:
+            work.wait()
+
     def land(self, into: Iterable[torch.Tensor]) -> None:
         """Wait for the values; write them into ``into`` unless this rank sent them, or ``into`` is laid
         out differently from what was sent (a buffer changed shape or dtype: nothing is written)."""
-        for _, _, work in self._parts:
-            work.wait()
+        self.wait()
         targets = list(_by_kind(into).values())
         if self._receives and [_layout(t) for t in targets] == [layout for layout, _, _ in self._parts]:
             for tensors, (_, wire, _) in zip(targets, self._parts):
