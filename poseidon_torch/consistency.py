@@ -184,7 +184,7 @@ class Delayed(BSP):
     barrier_free = True
     settles_in_next_pass = True  #: the averages are handed out only when the next synced backward returns
     #: the sync has a whole iteration and the training thread is the critical path: it gets the cores
-    #: first (measured: README, Pipe-SGD, *The training thread first*)
+    #: first (measured: README, Pipe-SGD, *Measured again*)
     sync_nice = 10
 
     def __init__(self, delay: int) -> None:
