@@ -6,7 +6,6 @@ import contextlib
 import os
 import threading
 import time
-
 from pathlib import Path
 
 import torch
