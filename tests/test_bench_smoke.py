@@ -54,8 +54,20 @@ def test_report_shape(bench_run: tuple) -> None:
     assert entry["modes"]["torch-ddp"]["bytes_source"] == "analytic"
     assert entry["modes"]["torch-ddp"]["bytes_per_iter_per_host"] == entry["profile"]["param_bytes"]
     assert (out / "results.png").stat().st_size > 0
-    assert "torch-ddp" in done.stdout and "x bound" in done.stdout
+    assert "torch-ddp" in done.stdout and "x bound" in done.stdout and "CPU floor ms" in done.stdout
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_mode_runs_faster_than_its_cpu_floor(bench_run: tuple, mode: str) -> None:
+    """The CPU floor is all ranks' CPU seconds spread over the cores they share: a physical bound, so a
+    floor above the iteration time means CPU and time were measured over different windows, or the
+    floor was spread over the wrong number of cores."""
+    _, report, _ = bench_run
+    result, cores = report["workloads"]["fc_heavy"]["modes"][mode], report["config"]["shared_cores"]
+    assert cores == len(os.sched_getaffinity(0))
+    assert result["cpu_floor_s"] == pytest.approx(result["cpu_s_per_iter"] / cores)
+    assert 0 < result["cpu_floor_s"] <= result["iter_s"] * 1.05 + 0.002
 
 
 @pytest.mark.parametrize("workload", ["resnet18", "gpt2"])

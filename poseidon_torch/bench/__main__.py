@@ -16,14 +16,18 @@ the same per-rank batch), ``torch-ddp``, ``poseidon-ps`` (PoseidonDDP(hybrid=Fal
 ``python -m poseidon_torch.bench.worker`` process. It prints a table and writes ``DIR/results.json`` and
 ``DIR/results.png``; per-rank logs go to ``DIR/logs``, raw worker results to ``DIR/runs``.
 
-Columns: median iteration time (slowest rank per iteration); samples/s over all ranks (for compute-only:
+Columns: iteration time (the slowest rank's timed loop over its iterations: the job's throughput); samples/s over all ranks (for compute-only:
 N x batch / its iteration time, i.e. perfect scaling without communication); throughput relative
 to torch DDP; bytes on the wire per iteration per host and where that number comes from (``wire``: the
 host veth's tx_bytes, netns mode; ``comm_stats``: PoseidonDDP's own count; ``analytic``: ring all-reduce
 2(P-1)/P x parameter bytes for DDP; localhost mode); the lower bound
 ``max(compute-only iteration, minimal bytes / bandwidth)`` and the iteration time divided by it; the
 fraction of communication hidden under compute from the PoseidonDDP trace summary (``-`` when the
-run wrote no trace).
+run wrote no trace); CPU seconds per iteration of all ranks together, and the mode's CPU floor: those
+seconds spread over the cores the ranks share (this machine's, or the hosts' quotas with
+``--cpus-per-host``). No schedule runs an iteration faster than its floor: where the iteration time
+reaches it, the cores, not the link or the overlap, bound the mode (the emulated hosts' communication
+costs CPU on the cores that also compute).
 
 Minimal bytes per host per iteration, for P hosts: every parameter tensor synced by a bandwidth-optimal
 all-reduce (2(P-1)/P of its bytes), except that a Linear layer that ran with K rows in the forward pass
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -154,8 +159,9 @@ def minimal_sync_bytes(profile: dict, hosts: int) -> float:
     return total
 
 
-def add_derived(entry: dict, hosts: int, bandwidth_bps: int) -> None:
-    """Lower bound, ratio to DDP and ratio to the bound, from the modes' results in ``entry``."""
+def add_derived(entry: dict, hosts: int, bandwidth_bps: int, cores: float) -> None:
+    """Lower bound, ratio to DDP, ratio to the bound and each mode's CPU floor over ``cores``, from the
+    modes' results in ``entry``."""
     modes = entry["modes"]
     compute = modes["compute-only"]
     ddp = modes["torch-ddp"]
@@ -172,6 +178,14 @@ def add_derived(entry: dict, hosts: int, bandwidth_bps: int) -> None:
         result["ratio_to_ddp"] = result["samples_per_s"] / ddp["samples_per_s"] if "error" not in ddp else None
         bound = entry.get("lower_bound_s")
         result["ratio_to_lower_bound"] = result["iter_s"] / bound if bound else None
+        result["cpu_floor_s"] = result["cpu_s_per_iter"] / cores
+
+
+def shared_cores(placement: Placement, hosts: int) -> float:
+    """The CPUs all ranks share: the hosts' quotas where set, else the cores this process may use."""
+    if placement.cpus_per_host is not None:
+        return placement.cpus_per_host * hosts
+    return float(len(os.sched_getaffinity(0)))
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -180,7 +194,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def table(report: dict) -> str:
     header = (f"{'workload':<12} {'mode':<20} {'iter ms':>9} {'samples/s':>10} {'vs DDP':>7} {'MB/iter/host':>12} "
-              f"{'source':<10} {'bound ms':>9} {'x bound':>8} {'overlap':>8} {'CPU s/iter':>10} {'opt MB/rank':>11}")
+              f"{'source':<10} {'bound ms':>9} {'x bound':>8} {'overlap':>8} {'CPU s/iter':>10} {'CPU floor ms':>12} "
+              f"{'opt MB/rank':>11}")
     lines = [header, "-" * len(header)]
     for workload, entry in report["workloads"].items():
         bound = entry.get("lower_bound_s")
@@ -193,7 +208,8 @@ def table(report: dict) -> str:
                 f"{_fmt(r['ratio_to_ddp'], '.2f'):>7} {r['bytes_per_iter_per_host'] / 1e6:>12.3f} "
                 f"{r['bytes_source']:<10} {_fmt(None if bound is None else bound * 1e3, '.1f'):>9} "
                 f"{_fmt(r['ratio_to_lower_bound'], '.2f'):>8} {_fmt(r['overlap'], '.1%'):>8} "
-                f"{_fmt(r.get('cpu_s_per_iter'), '.3f'):>10} {_fmt(_state_mb(r), '.1f'):>11}")
+                f"{_fmt(r.get('cpu_s_per_iter'), '.3f'):>10} {r['cpu_floor_s'] * 1e3:>12.1f} "
+                f"{_fmt(_state_mb(r), '.1f'):>11}")
     return "\n".join(lines)
 
 
@@ -244,6 +260,7 @@ def config(args: argparse.Namespace, placement: Placement, workloads: list[str])
         "latency": args.latency, "latency_applied": placement.latency is not None,
         "mtu": args.mtu if placement.kind == "netns" else None,
         "threads_per_rank": threads_per_rank(args.hosts), "cpus_per_host": placement.cpus_per_host,
+        "shared_cores": shared_cores(placement, args.hosts),
         "iters": args.iters, "warmup": args.warmup,
         "tiny": args.tiny, "workloads": workloads, "warnings": placement.warnings,
         "device": args.device, "batch_scale": args.batch_scale,
@@ -262,7 +279,7 @@ def run_all(args: argparse.Namespace, placement: Placement) -> dict:
             entry["modes"][mode] = run_mode(args, placement, workload, mode)
             if "error" in entry["modes"][mode]:
                 print(f"[{workload}] {mode} FAILED: {entry['modes'][mode]['error']}", file=sys.stderr)
-        add_derived(entry, args.hosts, args.bandwidth_bps)
+        add_derived(entry, args.hosts, args.bandwidth_bps, report["config"]["shared_cores"])
         report["workloads"][workload] = entry
     return report
 

@@ -4,6 +4,7 @@
 
 Invariant: every number is read from the runs' ``results.json``; nothing is recomputed but the
 ratio of each mode's iteration time to the compute-only lower bound, which the runner also reports.
+Files written before the CPU floor existed print ``-`` in its column.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 HEADER = ("| hosts | link | workload | mode | iteration ms | samples/s | vs DDP | MB/iter/host | x bound | overlap "
-          "| CPU s/iter | optimizer MB/rank |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| CPU s/iter | CPU floor ms | optimizer MB/rank |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def rows(path: Path) -> list[str]:
@@ -28,14 +29,15 @@ def rows(path: Path) -> list[str]:
     for workload, entry in results["workloads"].items():
         for mode, run in entry["modes"].items():
             if "error" in run:
-                out.append(f"| {config['hosts']} | {config['bandwidth']} | {workload} | {mode} | failed | | | | | | | |")
+                out.append(f"| {config['hosts']} | {config['bandwidth']} | {workload} | {mode} | failed | | | | | | | | |")
                 continue
             state = run.get("optimizer_state_bytes_by_rank")
-            out.append("| {} | {} | {} | {} | {:.0f} | {:.0f} | {} | {:.2f} | {} | {} | {} | {} |".format(
+            out.append("| {} | {} | {} | {} | {:.0f} | {:.0f} | {} | {:.2f} | {} | {} | {} | {} | {} |".format(
                 config["hosts"], config["bandwidth"], workload, mode, run["iter_s"] * 1e3,
                 run["samples_per_s"], _or_dash(run.get("ratio_to_ddp"), "{:.2f}x"),
                 run["bytes_per_iter_per_host"] / 1e6, _or_dash(run.get("ratio_to_lower_bound"), "{:.2f}"),
                 _or_dash(run.get("overlap"), "{:.0%}"), _or_dash(run.get("cpu_s_per_iter"), "{:.2f}"),
+                _or_dash(run["cpu_floor_s"] * 1e3 if "cpu_floor_s" in run else None, "{:.0f}"),
                 _or_dash(max(state) / 1e6 if state else None, "{:.1f}")))
     return out
 

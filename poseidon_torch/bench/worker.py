@@ -31,7 +31,7 @@ Invariants:
   SGD): their long iterations fall on different ranks at different steps, and it took the longest of
   every step (gpt2, 4 hosts, 1 Gbit/s, ``delay=1``: 3818 ms against a loop of 3066 ms per iteration).
 - CPU seconds per iteration: user + system time of all ranks' processes (every thread) over the timed
-  loop, divided by the iterations.
+  loop, batch building left out as in the time, divided by the iterations.
 - Bytes per iteration per host: with ``--wire-iface`` the interface's ``tx_bytes`` delta over the timed loop
   (real wire bytes, headers included; read inside the rank's network namespace); otherwise PoseidonDDP's
   ``comm_stats.bytes_sent_last_iteration`` summed over the timed loop, and for torch DDP the ring
@@ -214,12 +214,13 @@ def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, r
     tx_start = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
     cpu_start = cpu_seconds()
     times, losses, api_bytes = [], [], 0
-    loop_start, batching_s = time.perf_counter(), 0.0
+    loop_start, batching_s, batching_cpu_s = time.perf_counter(), 0.0, 0.0
     for step in range(args.warmup, args.warmup + args.iters):
-        built = time.perf_counter()
+        built, built_cpu = time.perf_counter(), cpu_seconds()
         batch = workload.make_batch(rank, step)
         start = time.perf_counter()
         batching_s += start - built
+        batching_cpu_s += cpu_seconds() - built_cpu
         losses.append(train_step(runs, optimizer, batch, workload.loss_fn))
         times.append(time.perf_counter() - start)
         if args.mode in POSEIDON_MODES:
@@ -229,7 +230,7 @@ def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, r
     jobs = model.comm_stats.jobs_last_iteration if args.mode in POSEIDON_MODES else None
     return {"times": times, "loop_s": loop_s, "losses": losses, "api_bytes_per_iter": api_bytes / args.iters, "jobs_last_iter": jobs,
             "wire_bytes_per_iter": (tx_end - tx_start) / args.iters,
-            "cpu_s_per_iter": (cpu_seconds() - cpu_start) / args.iters,
+            "cpu_s_per_iter": (cpu_seconds() - cpu_start - batching_cpu_s) / args.iters,
             "optimizer_state_bytes": optimizer_state_bytes(optimizer)}
 
 
