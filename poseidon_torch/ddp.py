@@ -58,13 +58,47 @@ _announced = False
 _WRAPPED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
+class _OpenEngine:
+    """A wrapper's started engine and what closing it needs, apart from the wrapper: a wrapper freed
+    without ``close()`` leaves its engine running (its hooks and threads hold it), so the engine is
+    closed from here at exit instead. Invariant: every instance not closed yet is in ``_OPEN``."""
+
+    def __init__(self, engine: Engine, recorder: Recorder) -> None:
+        self.engine = engine
+        self.recorder = recorder
+        self.buffers_in_flight: BroadcastInFlight | None = None  #: a barrier-free policy's, see _pipeline_buffers
+        _OPEN.add(self)
+
+    def close(self) -> None:
+        """Drain the engine, stop its threads, remove its hooks and finish the trace (once)."""
+        if self not in _OPEN:
+            return
+        _OPEN.discard(self)
+        self._end_buffers_in_flight()
+        self.engine.close()
+        self.recorder.finish()
+        self.recorder.flush()
+
+    def _end_buffers_in_flight(self) -> None:
+        """Wait for the broadcast of rank 0's buffers the last synced forward started (nothing lands).
+        Left to gloo's threads, it could end during the interpreter's teardown, and a tensor freed there
+        then aborts the process ("terminate called without an active exception"). A failed engine does
+        not wait (its peers may be gone)."""
+        in_flight, self.buffers_in_flight = self.buffers_in_flight, None
+        if in_flight is not None and self.engine.failure is None:
+            with contextlib.suppress(SyncError):
+                self.engine.wait_for_peers("the broadcast of rank 0's buffers", in_flight.wait)
+
+
+_OPEN: set[_OpenEngine] = set()
+
+
 @atexit.register
 def _close_all() -> None:
-    """Stop every wrapper's threads while the interpreter is whole, not during its teardown."""
-    for ref in list(_WRAPPED.values()):
-        wrapper = ref()
-        if wrapper is not None:
-            wrapper.close()
+    """Close every engine still open, its wrapper alive or freed unclosed, while the interpreter is
+    whole: collectives still in flight at its teardown abort the process."""
+    for opened in list(_OPEN):
+        opened.close()
 
 
 @dataclass(frozen=True)
@@ -191,6 +225,7 @@ class PoseidonDDP(nn.Module, Joinable):
         self._require_sync = True
         self._split = SplitAt(option(fusion_bytes, "FUSION_BYTES", int, DDP_SPLIT_BYTES))
         self._engine: Engine | None = None
+        self._open: _OpenEngine | None = None  #: the engine's closing, registered to run at exit
         self._closed = False
         ddp.note_unneeded(self._group_ranks.index(dist.get_rank()))
         self._start()
@@ -215,7 +250,6 @@ class PoseidonDDP(nn.Module, Joinable):
             broadcast_from(list(self.module.parameters()) + list(self.module.buffers()), self._groups.data,
                            self._staged, 0)
         self._has_buffers = any(True for _ in self.module.buffers())
-        self._buffers_in_flight: BroadcastInFlight | None = None  #: a barrier-free policy's, see _pipeline_buffers
         self.recorder = Recorder(options.trace, self.rank, self.world_size, self._groups.control.all_gather_objects)
         link, gemm = self._cost_inputs(device)
         native = options.engine == "native" and device.type == "cpu" and not native_status()
@@ -224,6 +258,7 @@ class PoseidonDDP(nn.Module, Joinable):
                               recorder=self.recorder, hybrid=options.hybrid, link=link, gemm_flops=gemm,
                               overrides=dict(options.overrides), native=native,
                               consistency=consistency)
+        self._open = _OpenEngine(self._engine, self.recorder)
         self._announce(device)
         _WRAPPED[self.module] = weakref.ref(self)
 
@@ -259,42 +294,29 @@ class PoseidonDDP(nn.Module, Joinable):
         return link, probe_gemm_flops(device, self._groups.data, key)
 
     def close(self) -> None:
-        """Stop the sync threads, remove every hook, release the process groups and finish writing a
-        trace (also done when the process exits, for a wrapper still alive then: call it when training
-        ends, since one freed unclosed may leave collectives in flight to the interpreter's teardown).
+        """Drain the last step's sync, stop the sync threads, remove every hook, release the process
+        groups and finish writing a trace. Done at exit for a wrapper not closed, alive or freed (its
+        engine runs on until then, holding its threads and groups): call it when training ends.
         The wrapper then runs the module locally, as a plain module, and never starts another engine."""
         self._closed = True
-        engine, self._engine = self._engine, None
-        if engine is None:
+        opened, self._open, self._engine = self._open, None, None
+        if opened is None:
             return
-        self._end_buffers_in_flight(engine)
-        engine.close()
-        self.recorder.finish()
-        self.recorder.flush()
+        opened.close()
         self._groups = None  # the private backends close when the last reference goes
         if _WRAPPED.get(self.module) is not None and _WRAPPED[self.module]() is self:
             del _WRAPPED[self.module]
 
-    def _end_buffers_in_flight(self, engine: Engine) -> None:
-        """Wait for the broadcast of rank 0's buffers the last synced forward started (a barrier-free
-        policy's; nothing lands). Left to gloo's threads, it could end during the interpreter's teardown,
-        and a tensor freed there then aborts the process ("terminate called without an active
-        exception"). A failed engine does not wait (its peers may be gone)."""
-        in_flight, self._buffers_in_flight = self._buffers_in_flight, None
-        if in_flight is not None and engine.failure is None:
-            with contextlib.suppress(SyncError):
-                engine.wait_for_peers("the broadcast of rank 0's buffers", in_flight.wait)
-
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for name in ("_engine", "_groups", "recorder", "_buffers_in_flight"):
+        for name in ("_engine", "_open", "_groups", "recorder"):
             state.pop(name, None)
         state["_group"] = None  # a copy makes its own group over the same ranks when it starts
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._engine = None  # started by the first synced forward of the copy
+        self._engine = self._open = None  # started by the first synced forward of the copy
 
     # ---- training ----------------------------------------------------------------------------------
 
@@ -387,8 +409,9 @@ class PoseidonDDP(nn.Module, Joinable):
         """Send rank 0's buffers as they are now; write those sent by the last synced training forward
         into the module's buffers as they are now (unless one changed shape or dtype since: then this
         rank keeps its own for one more step)."""
-        landing, self._buffers_in_flight = (self._buffers_in_flight,
-                                            BroadcastInFlight(self.module.buffers(), self._groups.data, self._staged, 0))
+        opened = self._open
+        landing, opened.buffers_in_flight = (opened.buffers_in_flight,
+                                             BroadcastInFlight(self.module.buffers(), self._groups.data, self._staged, 0))
         if landing is not None:
             with self.recorder.waiting("forward collectives"):
                 self._engine.wait_for_peers("the broadcast of rank 0's buffers",

@@ -161,6 +161,46 @@ def test_the_sync_threads_start_from_a_training_thread_that_outlives_the_main_th
     assert done.stdout.split() == ["started", "10"], done.stderr
 
 
+FREED_UNCLOSED = """
+import atexit, sys, weakref
+import torch, torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo", init_method=sys.argv[2], rank=int(sys.argv[1]), world_size=2)
+kept = {}
+# registered before poseidon_torch is imported, so it runs after poseidon_torch's own exit handler
+atexit.register(lambda: print("engine", "closed" if kept["engine"].closed else "open", flush=True))
+from poseidon_torch import PoseidonDDP
+
+def train():
+    model = PoseidonDDP(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)), delay=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    kept["engine"], kept["wrapper"] = model._engine, weakref.ref(model)
+
+train()
+print("wrapper", "freed" if kept["wrapper"]() is None else "alive", flush=True)
+"""
+
+
+def test_the_engine_of_a_wrapper_freed_unclosed_is_closed_before_the_interpreters_teardown(tmp_path):
+    """A training function returns without ``close()``: the wrapper is freed, its engine is not (its
+    hooks and threads hold it) and the last step's sync and buffer broadcast are still in flight. Left
+    to the interpreter's teardown, a collective ending there can abort the process; the exit handler
+    closes the engine first, on every rank."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))))
+    init = f"file://{tmp_path / 'store'}"
+    ranks = [subprocess.Popen([sys.executable, "-c", FREED_UNCLOSED, str(rank), init], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(2)]
+    for rank, process in enumerate(ranks):
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0 and out.split() == ["wrapper", "freed", "engine", "closed"], \
+            f"rank {rank}: exit {process.returncode}\n{out}\n{err[-2000:]}"
+
+
 @pytest.mark.parametrize("k,opt", [(1, "sgd"), (2, "adamw")])
 def test_checkpoint_carries_the_gradients_in_flight(cluster, k, opt):
     for rank, result in enumerate(cluster.run(dw.checkpoint_resume, k, opt)):
