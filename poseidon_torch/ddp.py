@@ -61,19 +61,20 @@ _WRAPPED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDic
 class _OpenEngine:
     """A wrapper's started engine and what closing it needs, apart from the wrapper: a wrapper freed
     without ``close()`` leaves its engine running (its hooks and threads hold it), so the engine is
-    closed from here at exit instead. Invariant: every instance not closed yet is in ``_OPEN``."""
+    closed from here at exit instead. Invariant: every instance not closed yet is in ``_OPEN``, in the
+    order the engines started."""
 
     def __init__(self, engine: Engine, recorder: Recorder) -> None:
         self.engine = engine
         self.recorder = recorder
         self.buffers_in_flight: BroadcastInFlight | None = None  #: a barrier-free policy's, see _pipeline_buffers
-        _OPEN.add(self)
+        _OPEN[self] = None
 
     def close(self) -> None:
         """Drain the engine, stop its threads, remove its hooks and finish the trace (once)."""
         if self not in _OPEN:
             return
-        _OPEN.discard(self)
+        del _OPEN[self]
         self._end_buffers_in_flight()
         self.engine.close()
         self.recorder.finish()
@@ -90,7 +91,9 @@ class _OpenEngine:
                 self.engine.wait_for_peers("the broadcast of rank 0's buffers", in_flight.wait)
 
 
-_OPEN: set[_OpenEngine] = set()
+#: the open engines, oldest first: a dict, since closing is collective and every rank must close them in the
+#: same order (the order the ranks wrapped their modules in; a set's order differs between processes)
+_OPEN: dict[_OpenEngine, None] = {}
 
 
 @atexit.register
