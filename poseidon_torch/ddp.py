@@ -64,7 +64,8 @@ class _OpenEngine:
     closed from here at exit instead. Invariant: every instance not closed yet is in ``_OPEN``, in the
     order the engines started."""
 
-    def __init__(self, engine: Engine, recorder: Recorder) -> None:
+    def __init__(self, wrapper: PoseidonDDP, engine: Engine, recorder: Recorder) -> None:
+        self.wrapper = weakref.ref(wrapper)
         self.engine = engine
         self.recorder = recorder
         self.buffers_in_flight: BroadcastInFlight | None = None  #: a barrier-free policy's, see _pipeline_buffers
@@ -101,7 +102,11 @@ def _close_all() -> None:
     """Close every engine still open, its wrapper alive or freed unclosed, while the interpreter is
     whole: collectives still in flight at its teardown abort the process."""
     for opened in list(_OPEN):
-        opened.close()
+        wrapper = opened.wrapper()
+        if wrapper is not None:
+            wrapper.close()  # it then runs its module locally, as after any close()
+        else:
+            opened.close()
 
 
 @dataclass(frozen=True)
@@ -261,7 +266,7 @@ class PoseidonDDP(nn.Module, Joinable):
                               recorder=self.recorder, hybrid=options.hybrid, link=link, gemm_flops=gemm,
                               overrides=dict(options.overrides), native=native,
                               consistency=consistency)
-        self._open = _OpenEngine(self._engine, self.recorder)
+        self._open = _OpenEngine(self, self._engine, self.recorder)
         self._announce(device)
         _WRAPPED[self.module] = weakref.ref(self)
 

@@ -169,7 +169,8 @@ from torch import nn
 dist.init_process_group("gloo", init_method=sys.argv[2], rank=int(sys.argv[1]), world_size=2)
 kept = {}
 # registered before poseidon_torch is imported, so it runs after poseidon_torch's own exit handler
-atexit.register(lambda: print("engine", "closed" if kept["engine"].closed else "open", flush=True))
+atexit.register(lambda: print("engine", "closed" if kept["engine"].closed else "open",
+                              "alive", "local" if kept["alive"]._engine is None else "started", flush=True))
 from poseidon_torch import PoseidonDDP
 
 def train():
@@ -183,6 +184,8 @@ def train():
 
 train()
 print("wrapper", "freed" if kept["wrapper"]() is None else "alive", flush=True)
+kept["alive"] = PoseidonDDP(nn.Linear(8, 2), delay=1)  # one never closed, alive at exit
+kept["alive"](torch.randn(4, 8)).sum().backward()
 """
 
 
@@ -190,14 +193,15 @@ def test_the_engine_of_a_wrapper_freed_unclosed_is_closed_before_the_interpreter
     """A training function returns without ``close()``: the wrapper is freed, its engine is not (its
     hooks and threads hold it) and the last step's sync and buffer broadcast are still in flight. Left
     to the interpreter's teardown, a collective ending there can abort the process; the exit handler
-    closes the engine first, on every rank."""
+    closes the engine first, on every rank. A wrapper still alive at exit is closed as ``close()`` does:
+    it then runs its module locally."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))))
     init = f"file://{tmp_path / 'store'}"
     ranks = [subprocess.Popen([sys.executable, "-c", FREED_UNCLOSED, str(rank), init], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(2)]
     for rank, process in enumerate(ranks):
         out, err = process.communicate(timeout=120)
-        assert process.returncode == 0 and out.split() == ["wrapper", "freed", "engine", "closed"], \
+        assert process.returncode == 0 and out.split() == ["wrapper", "freed", "engine", "closed", "alive", "local"], \
             f"rank {rank}: exit {process.returncode}\n{out}\n{err[-2000:]}"
 
 
