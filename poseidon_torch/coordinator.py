@@ -16,16 +16,19 @@ layer that can take it exactly.
 """
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from .bucket import Bucket
+from .bucket import Bucket, find_layers
 from .kvstore import ps_bytes_per_rank, ps_messages
 from .link import LinkModel
-from .sfb import STICKY_NAMES, FCLayer, sfb_bytes_per_rank, sfb_messages
+from .sfb import STICKY_NAMES, FCLayer, fc_eligible, sfb_bytes_per_rank, sfb_messages
 
 PS = "PS"
 SFB = "SFB"
@@ -91,7 +94,7 @@ class Coordinator:
         own (``fc_names``: those that could take SFB, at any world size)."""
         for name, path in self.overrides.items():
             if name not in layer_names:
-                raise ValueError(f"override names {name!r}, which is not a layer: layers are the modules that own "
+                raise ValueError(f"an override or plan names {name!r}, which is not a layer: layers are the modules that own "
                                  "trainable parameters (a parameter shared by several modules belongs to the first "
                                  f"that registers it); layers: {sorted(layer_names)}")
             if path not in PATHS:
@@ -215,13 +218,14 @@ class Coordinator:
         layer = bucket.fc
         kind = type(bucket.layers[0].module).__name__ if len(bucket.layers) == 1 else f"fused x{len(bucket.layers)}"
         planned = SFB if layer is not None and layer.name in self.sfb else PS
+        layers = tuple(layer.name for layer in bucket.layers)
         row = PlanRow(bucket.name, kind, tuple(bucket.params[0].shape), None, planned,
-                      bucket.name in self.overrides, ps_bytes, ps_seconds, None, None)
+                      bucket.name in self.overrides, ps_bytes, ps_seconds, None, None, layers)
         if layer is None:
             return row
         sfb_bytes, sfb_seconds = self._predict_sfb(layer)
         return PlanRow(row.name, row.kind, row.shape, self.k_max[layer.name], row.path, row.forced, ps_bytes, ps_seconds,
-                       sfb_bytes, sfb_seconds)
+                       sfb_bytes, sfb_seconds, layers)
 
 
 @dataclass(frozen=True)
@@ -236,11 +240,18 @@ class PlanRow:
     ps_seconds: float
     sfb_bytes: float | None
     sfb_seconds: float | None
+    layers: tuple[str, ...]  #: the bucket's layers, in sync order
+
+
+#: what :meth:`Plan.save` writes, and :func:`recorded_paths` reads back
+PLAN_FORMAT = "poseidon-plan/1"
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One row per bucket, in sync order, and the inputs of the cost model; ``print`` it."""
+    """One row per bucket, in sync order, and the inputs of the cost model; ``print`` it. Given back
+    to ``PoseidonDDP(plan=...)`` (itself, :meth:`layer_paths` or the file :meth:`save` wrote), it
+    forces every layer onto the path it records."""
 
     rows: list[PlanRow]
     world_size: int
@@ -253,6 +264,16 @@ class Plan:
     def paths(self) -> dict[str, str]:
         return {row.name: row.path for row in self.rows}
 
+    def layer_paths(self) -> dict[str, str]:
+        """Every layer's path (a fused bucket's layers share its path)."""
+        return {layer: row.path for row in self.rows for layer in row.layers}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write :meth:`layer_paths` as JSON, for ``PoseidonDDP(plan=path)``."""
+        record = {"format": PLAN_FORMAT, "world_size": self.world_size, "paths": self.layer_paths()}
+        with open(path, "w") as file:
+            json.dump(record, file, indent=1, sort_keys=True)
+
     def __str__(self) -> str:
         header = ("bucket", "type", "shape", "K", "path", "PS bytes", "PS time", "SFB bytes", "SFB time")
         rows = [(header,)] + [_wrapped(_cells(row), self.NAME_WIDTH) for row in self.rows]
@@ -263,6 +284,35 @@ class Plan:
         gemm = "not probed" if self.gemm_flops is None else f"{self.gemm_flops / 1e9:.3g} GFLOP/s"
         lines.append(f"P={self.world_size}; link: {self.link}; GEMM {gemm}; * = forced by override")
         return "\n".join(lines)
+
+
+def recorded_paths(plan: Plan | Mapping[str, str] | str | os.PathLike, module: nn.Module) -> dict[str, str]:
+    """The per-layer paths of a recorded plan (a :class:`Plan`, a ``{layer: path}`` dict, or a file
+    :meth:`Plan.save` wrote), checked to name every layer of ``module`` that could take SFB: a layer
+    it leaves out would be planned by the timing-dependent cost model. Which names are layers, and
+    which paths they may take, the engine checks as it does for ``overrides``."""
+    if isinstance(plan, Plan):
+        paths = plan.layer_paths()
+    elif isinstance(plan, Mapping):
+        paths = dict(plan)
+    elif isinstance(plan, (str, os.PathLike)):
+        paths = _read_plan(plan)
+    else:
+        raise TypeError(f"PoseidonDDP option plan must be a Plan (model.plan), a dict {{layer: 'PS' or 'SFB'}} or the "
+                        f"path of a file Plan.save() wrote, got {type(plan).__name__}")
+    missing = sorted(layer.name for layer in fc_eligible(find_layers(module), module) if layer.name not in paths)
+    if missing:
+        raise ValueError(f"plan= gives no path for the layer(s) {missing}, which could take SFB: a plan must name every "
+                         "such layer (record it from this model with model.plan.save(path), or add them)")
+    return paths
+
+
+def _read_plan(path: str | os.PathLike) -> dict[str, str]:
+    with open(path) as file:
+        record = json.load(file)
+    if not (isinstance(record, dict) and record.get("format") == PLAN_FORMAT and isinstance(record.get("paths"), dict)):
+        raise ValueError(f"{os.fspath(path)!r} is not a plan written by Plan.save() (format {PLAN_FORMAT!r})")
+    return record["paths"]
 
 
 def _wrapped(cells: tuple[str, ...], width: int) -> list[tuple[str, ...]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import sys
 import time
 import warnings
@@ -33,12 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.nn.parallel import DistributedDataParallel
 
 from .barrier import SyncError
 from .compat import DDPArguments
 from .compiled import DDP_SPLIT_BYTES, SplitAt, splitting_compiled_graphs
 from .consistency import check_delay, consistency_for
-from .coordinator import Plan
+from .coordinator import Plan, recorded_paths
 from .core import native_status
 from .engine import CommStats, Engine
 from .env import option
@@ -134,7 +136,7 @@ class Options:
             raise ValueError(f"invalid options: num_channels={self.num_channels}, timeout={self.timeout}, "
                              f"chunk_bytes={self.chunk_bytes}, fusion_bytes={self.fusion_bytes}")
         if self.overrides and not self.hybrid:
-            raise ValueError("per-layer path overrides need hybrid=True")
+            raise ValueError("per-layer paths (overrides= or plan=) need hybrid=True")
 
     def _check_types(self) -> None:
         """Every rank checks its own options before any collective, so a bad value fails everywhere
@@ -147,7 +149,7 @@ class Options:
             value = getattr(self, name)
             expect(name, isinstance(value, int) and not isinstance(value, bool), "an int")
         expect("timeout", isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool),
-               "a number of seconds")
+               "a number of seconds or a datetime.timedelta")
         for name in ("broadcast_buffers", "init_sync", "hybrid"):
             expect(name, isinstance(getattr(self, name), bool), "True or False")
         expect("link", self.link is None or isinstance(self.link, LinkModel), "a LinkModel or None")
@@ -173,11 +175,17 @@ class PoseidonDDP(nn.Module, Joinable):
             (else at torch DDP's 25 MiB).
         num_channels: sync threads, each with its own process groups (default 2, or
             ``POSEIDON_NUM_CHANNELS``).
-        timeout: seconds any wait may take before the step fails (dead or stuck peer).
+        timeout: how long any wait may take before the step fails (dead or stuck peer): seconds, or a
+            ``datetime.timedelta`` as ``init_process_group`` takes it.
         hybrid: let the coordinator send fully connected layers through SFB where that is cheaper and
             exact; False sends every layer through the PS path.
         overrides: force a path per layer, e.g. ``{"classifier.0": "SFB", "fc2": "PS"}`` (SFB only
             where it is exact).
+        plan: a recorded plan given back, so that the paths do not depend on this run's timing probe:
+            ``model.plan`` of an earlier run, its ``layer_paths()``, or the file its ``save(path)``
+            wrote. It must give a path for every layer that could take SFB, and forces each one as
+            ``overrides`` would (a layer it puts on SFB where SFB would not be exact falls back to PS
+            with a warning, on every rank alike). Not together with ``overrides``.
         link: the network's alpha-beta model for the cost model (default: probed at start-up, or
             ``POSEIDON_BANDWIDTH_GBPS`` / ``POSEIDON_LATENCY_US``).
         trace_dir, trace_skip, trace_iters: switch the tracer on (see ``poseidon_torch.trace``).
@@ -198,8 +206,9 @@ class PoseidonDDP(nn.Module, Joinable):
                  mixed_precision: Any = None, device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
                  bucket_cap_mb_list: Sequence[float] | None = None, batched_grad_copy: bool = False,
                  forward_sync_buffers: bool | None = None, *, chunk_bytes: int | None = None,
-                 fusion_bytes: int | None = None, num_channels: int | None = None, timeout: float = 300.0,
-                 hybrid: bool = True, overrides: dict[str, str] | None = None, link: LinkModel | None = None,
+                 fusion_bytes: int | None = None, num_channels: int | None = None,
+                 timeout: float | timedelta = 300.0, hybrid: bool = True, overrides: dict[str, str] | None = None,
+                 plan: Plan | Mapping[str, str] | str | os.PathLike | None = None, link: LinkModel | None = None,
                  trace_dir: str | None = None, trace_skip: int | None = None, trace_iters: int | None = None,
                  engine: str | None = None, delay: int = 0) -> None:
         nn.Module.__init__(self)
@@ -209,6 +218,11 @@ class PoseidonDDP(nn.Module, Joinable):
         self.module = module
         if overrides is not None and not isinstance(overrides, Mapping):
             raise TypeError(f"PoseidonDDP option overrides must be a dict {{layer: 'PS' or 'SFB'}}, got {overrides!r}")
+        if plan is not None:
+            if overrides:
+                raise ValueError("pass either plan= (a recorded plan: every layer's path) or overrides= (the paths of "
+                                 "some layers), not both")
+            overrides = recorded_paths(plan, module)
         self._ddp_arguments = ddp = DDPArguments(
             device_ids, output_device, dim, broadcast_buffers, init_sync, process_group, bucket_cap_mb,
             find_unused_parameters, check_reduction, gradient_as_bucket_view, static_graph,
@@ -221,7 +235,8 @@ class PoseidonDDP(nn.Module, Joinable):
             chunk_bytes=option(chunk_bytes, "CHUNK_BYTES", int, DEFAULT_CHUNK_BYTES),
             fusion_bytes=option(fusion_bytes, "FUSION_BYTES", int, DEFAULT_FUSION_BYTES),
             num_channels=option(num_channels, "NUM_CHANNELS", int, DEFAULT_NUM_CHANNELS),
-            timeout=timeout, broadcast_buffers=ddp.buffers_follow_rank0, init_sync=init_sync, hybrid=hybrid,
+            timeout=timeout.total_seconds() if isinstance(timeout, timedelta) else timeout,
+            broadcast_buffers=ddp.buffers_follow_rank0, init_sync=init_sync, hybrid=hybrid,
             overrides=tuple(sorted((overrides or {}).items())), link=link,
             trace=TraceConfig.resolve(trace_dir, trace_skip, trace_iters),
             engine=option(engine, "ENGINE", str, "native"), delay=delay)
@@ -362,6 +377,7 @@ class PoseidonDDP(nn.Module, Joinable):
     @torch.compiler.disable
     def _enter_forward(self) -> _Forward | None:
         """The engine's side of a forward before the module runs (None: run the module locally)."""
+        self._refuse_outer_ddp()
         synced = torch.is_grad_enabled() and self._require_sync
         if synced and self._engine is None and not self._closed:
             self._start()  # an unbound copy (deepcopy, unpickled) that is trained
@@ -377,6 +393,17 @@ class PoseidonDDP(nn.Module, Joinable):
             raise
         step.split.__enter__()
         return step
+
+    def _refuse_outer_ddp(self) -> None:
+        """torch DDP around this wrapper (frameworks that wrap whatever model they are given do it:
+        accelerate's ``prepare``) would sync every gradient a second time: refused at its first forward."""
+        outer = DistributedDataParallel._active_ddp_module
+        if isinstance(outer, DistributedDataParallel) and self in (outer.module, getattr(outer.module, "_orig_mod", None)):
+            raise RuntimeError(
+                "PoseidonDDP is wrapped in torch's DistributedDataParallel (accelerate's Accelerator.prepare() does this "
+                "to any model it is given), so every gradient would be synced twice: give the framework the plain model "
+                "and let it build PoseidonDDP (poseidon_torch.integrations.accelerate.PoseidonAccelerator for accelerate, "
+                "PoseidonStrategy for Lightning, PoseidonTrainer for the Hugging Face Trainer)")
 
     @torch.compiler.disable
     def _end_module(self, step: _Forward) -> None:

@@ -274,8 +274,8 @@ def test_plan_printout_wraps_fused_names_and_says_when_the_gemm_was_not_probed()
     from poseidon_torch.coordinator import Plan, PlanRow
 
     fused = "+".join(f"blocks.{i}.conv{j}" for i in range(12) for j in (1, 2))
-    rows = [PlanRow(fused, "fused x24", (64, 64, 3, 3), None, "PS", False, 1e6, 1e-3, None, None),
-            PlanRow("head", "Linear", (10, 512), 32, "SFB", True, 2e4, 1e-4, 1e3, 2e-5)]
+    rows = [PlanRow(fused, "fused x24", (64, 64, 3, 3), None, "PS", False, 1e6, 1e-3, None, None, tuple(fused.split("+"))),
+            PlanRow("head", "Linear", (10, 512), 32, "SFB", True, 2e4, 1e-4, 1e3, 2e-5, ("head",))]
     text = str(Plan(rows, 2, LinkModel.from_gbps(1.0, latency_us=50), None))
     lines = text.splitlines()
     assert max(len(line) for line in lines[:-1]) < Plan.NAME_WIDTH + 80
@@ -295,3 +295,24 @@ def test_in_parameter_server_mode_sfb_is_charged_the_pull_of_new_values():
         c.observe(facts(c, [{"fc": (24, 0)}] * 2), 0)
         chosen[pull_values] = c.sfb
     assert chosen == {False: {"fc"}, True: set()}
+
+
+# --- recorded plans (issue 44 item 5) -------------------------------------------------------------------
+
+def test_a_recorded_plan_round_trips_through_its_file_and_must_name_every_fc_layer(tmp_path):
+    from poseidon_torch.coordinator import Plan, PlanRow, recorded_paths
+
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 8), nn.Linear(8, 2))
+    rows = [PlanRow("3", "Linear", (2, 8), 4, "SFB", False, 1e3, 1e-4, 1e2, 1e-5, ("3",)),
+            PlanRow("2+0", "fused x2", (8, 8), None, "PS", False, 1e3, 1e-4, None, None, ("2", "0"))]
+    plan = Plan(rows, 2, GIGABIT, GEMM_FLOPS)
+    assert plan.layer_paths() == {"3": "SFB", "2": "PS", "0": "PS"}
+    plan.save(tmp_path / "plan.json")
+    assert recorded_paths(str(tmp_path / "plan.json"), model) == recorded_paths(plan, model) == plan.layer_paths()
+    with pytest.raises(ValueError, match=r"no path for the layer\(s\) \['2'\]"):
+        recorded_paths({"3": "SFB"}, model)
+    (tmp_path / "other.json").write_text('{"3": "SFB"}')
+    with pytest.raises(ValueError, match="not a plan written by Plan.save"):
+        recorded_paths(tmp_path / "other.json", model)
+    with pytest.raises(TypeError, match="plan must be a Plan"):
+        recorded_paths(["3"], model)

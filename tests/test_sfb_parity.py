@@ -115,3 +115,21 @@ def test_committed_sfb_layers_skip_the_local_weight_gradient(cluster):
         assert [s["outcome"] for s in steps] == ["PS", "SFB", "PS"]
         assert [s["weight_in_graph"] for s in steps] == [True, False, True]
         assert all(s["max_grad_diff"] < 1e-6 for s in steps), steps
+
+
+def test_a_recorded_plan_makes_runs_identical_whatever_the_probe_says(cluster, tmp_path):
+    """Issue 44 item 5: the probe decides the paths (a slow link puts the FC layers on SFB, a fast one on
+    PS, and the parameters differ in rounding); a run given an earlier run's plan, as the Plan or as
+    the file Plan.save() wrote, takes the recorded path on every layer whatever the probe says, so two
+    such runs are bitwise identical."""
+    results = cluster.run(workers.runs_given_a_recorded_plan, str(tmp_path / "plan.json"), timeout=120)
+    for result in results:
+        recorded, fast = result["recorded"], result["fast"]
+        assert recorded["paths"]["body.0"] == "SFB" and fast["paths"]["body.0"] == "PS"
+        assert any(not torch.equal(recorded["params"][n], fast["params"][n]) for n in fast["params"])
+        for run in ("fast, plan", "slow, plan file"):
+            assert result[run]["paths"] == recorded["paths"], run
+        for name, value in result["fast, plan"]["params"].items():
+            assert torch.equal(value, result["slow, plan file"]["params"][name]), name
+    for name, value in results[0]["fast, plan"]["params"].items():
+        assert all(torch.equal(value, r["fast, plan"]["params"][name]) for r in results), name

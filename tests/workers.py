@@ -811,3 +811,36 @@ def fc_layers_watched_after_learning(rank: int, world_size: int) -> dict[str, tu
     wrapped.close()
     return seen
 
+
+
+def _train_with_link(rank: int, world_size: int, spec: ModelSpec, link, plan, steps: int = 4, size: int = 2) -> dict:
+    """``steps`` steps of SGD with ``link`` as the cost model's link (the probe's result) and ``plan``
+    given back (or None); the final parameters and the plan the run ended with."""
+    model = build(spec, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, link=link, plan=plan)
+    opt = torch.optim.SGD(wrapped.parameters(), **OPTIMIZER)
+    for step in range(steps):
+        x, y = batch(spec, step, size, world_size)
+        opt.zero_grad()
+        F.mse_loss(wrapped(shard(x, rank, size)), shard(y, rank, size)).backward()
+        opt.step()
+    plan = wrapped.plan
+    wrapped.close()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "plan": plan,
+            "paths": plan.layer_paths()}
+
+
+def runs_given_a_recorded_plan(rank: int, world_size: int, record_path: str) -> dict:
+    """Runs whose timing probe sees a slow link (SFB wins) and a fast one (PS wins), without a plan and
+    with the slow run's recorded plan given back, as the Plan object and as the file it saved."""
+    from poseidon_torch import LinkModel
+
+    spec = ModelSpec(in_features=64, widths=(64,), out_features=4)
+    slow, fast = slow_link(), LinkModel.from_gbps(400.0)
+    recorded = _train_with_link(rank, world_size, spec, slow, None)
+    if rank == 0:
+        recorded["plan"].save(record_path)
+    torch.distributed.barrier()
+    return {"recorded": recorded, "fast": _train_with_link(rank, world_size, spec, fast, None),
+            "fast, plan": _train_with_link(rank, world_size, spec, fast, recorded["plan"]),
+            "slow, plan file": _train_with_link(rank, world_size, spec, slow, record_path)}
