@@ -68,7 +68,7 @@ def _every(name: str, value: Any, staleness: int | None) -> int:
 
 
 def _max_norm(value: Any) -> float | None:
-    """``max_grad_norm`` checked: None, or a finite number > 0."""
+    """``max_grad_norm`` checked: None, or a number > 0 (``inf``: the norm is computed, nothing is clipped)."""
     if value is None:
         return None
     number = None
@@ -76,8 +76,9 @@ def _max_norm(value: Any) -> float | None:
         number = float(value)
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
         number = float(value)
-    if number is None or not (math.isfinite(number) and number > 0):
-        raise ValueError(f"max_grad_norm must be a finite number > 0 (or None: no clipping), got {value!r}")
+    if number is None or math.isnan(number) or number <= 0:
+        raise ValueError(f"max_grad_norm must be a number > 0 (inf: compute the norm, clip nothing; None: neither), "
+                         f"got {value!r}")
     return number
 
 
@@ -101,9 +102,12 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     Gradient clipping by the global norm is an option here, ``max_grad_norm=1.0``: the owners scale
     the averaged gradients as ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` would before
-    ``step()``, and :attr:`last_grad_norm` is the norm it returns. ``clip_grad_norm_`` itself, called
+    ``step()``, and :attr:`last_grad_norm` is the norm it returns (``max_grad_norm=inf``: the norm
+    only, as ``clip_grad_norm_(..., inf)`` gives it). ``clip_grad_norm_`` itself, called
     between ``backward()`` and ``step()``, cannot work: the update already ran on the servers. ``state_dict()`` after ``consolidate_state_dict(to)`` on every rank, as
     ``ZeroRedundancyOptimizer``; ``load_state_dict`` takes torch's format (also a plain optimizer's).
+    Once the wrapper is closed its shards are gone: a state consolidated before that stays available
+    (``consolidate_state_dict`` to the same rank is then a no-op), anything else raises.
     """
 
     #: so that a ``torch.amp.GradScaler`` hands its verdict to :meth:`step` (which refuses it) instead
@@ -210,7 +214,16 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     @property
     def server(self) -> Server:
-        return self.model.engine.server
+        return self._engine.server
+
+    @property
+    def _engine(self) -> Any:
+        engine = self.model.engine
+        if engine is None:
+            raise RuntimeError("the PoseidonDDP this ServerOptimizer runs on was closed (close(), or a framework's teardown "
+                               "at the end of training), and its shards with it: gather the state before closing "
+                               "(consolidate_state_dict(to) on every rank), or train on a new ServerOptimizer")
+        return engine
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -223,9 +236,9 @@ class ServerOptimizer(torch.optim.Optimizer):
         last synced backward (what ``clip_grad_norm_`` returns; with lazy pulls it waits for that step's
         norm, not for its pulls); None without clipping, before the first step, or after a backward that
         raised (that step is skipped)."""
-        if self.max_grad_norm is None or self.model.engine.backward_raised():
+        if self.max_grad_norm is None or self._engine.backward_raised():
             return None
-        return self.server.wait_norm(self.model.engine.timeout)
+        return self.server.wait_norm(self._engine.timeout)
 
     def step(self, closure: Any = None) -> Any:
         """The update already ran at the shards during ``backward()``: wait until every parameter holds
@@ -271,9 +284,9 @@ class ServerOptimizer(torch.optim.Optimizer):
         ``staleness`` it is collective: it waits until every rank called it (the others train on meanwhile:
         uneven data), then every rank's parameters are the owners' newest values and the clocks restart."""
         if self.stale:
-            self.model.engine.finish_aborted_pass()  # a last backward that raised pushes its clock first
+            self._engine.finish_aborted_pass()  # a last backward that raised pushes its clock first
         self.model.synchronize()
-        self.model.engine.consistency.flush()
+        self._engine.consistency.flush()
         if self.stale:
             self.server.finish()
 
@@ -286,12 +299,15 @@ class ServerOptimizer(torch.optim.Optimizer):
         self._consolidated = self._consolidated_to = None
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the whole optimizer state on rank ``to`` (collective: every rank calls it)."""
-        self.model.engine.finish_aborted_pass()  # a skipped step's state taken back first
+        """Gather the whole optimizer state on rank ``to`` (collective: every rank calls it). After the
+        wrapper closed, a state gathered on ``to`` before that is kept (nothing can change it)."""
+        if self.model.engine is None and self._consolidated_to == to:
+            return
+        self._engine.finish_aborted_pass()  # a skipped step's state taken back first
         self.model.synchronize()
         if self.stale:
             self.server.finish()  # every push applied, on every rank
-        exports = self.model.engine.gather_objects(self.server.export(), to)
+        exports = self._engine.gather_objects(self.server.export(), to)
         self._consolidated, self._consolidated_to = None, to
         if exports is not None:
             self._consolidated = merge_exports(exports, self.shapes)
@@ -302,12 +318,12 @@ class ServerOptimizer(torch.optim.Optimizer):
         it is the empty state, anywhere, with no collective."""
         if self._consolidated is not None:
             state = {k: dict(v) for k, v in self._consolidated.items()}
-        elif not self.server.has_state():
-            state = {}
         elif self._consolidated_to is not None:
-            rank = self.model.engine.rank
+            rank = self.model.rank
             raise RuntimeError(f"the optimizer state was consolidated on rank {self._consolidated_to}, not on this rank "
                                f"({rank}): call state_dict() there, or consolidate_state_dict(to={rank}) on every rank")
+        elif not self.server.has_state():
+            state = {}
         else:
             raise RuntimeError("call consolidate_state_dict(to=...) on every rank first (as with "
                                "ZeroRedundancyOptimizer), then state_dict() on rank `to`")
@@ -319,7 +335,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("loaded state_dict has param groups of other sizes than this optimizer's")
-        self.model.engine.finish_aborted_pass()  # or a skipped step's roll-back would land on the loaded state
+        self._engine.finish_aborted_pass()  # or a skipped step's roll-back would land on the loaded state
         self.model.synchronize()
         if self.stale:
             self.server.finish()  # no push in flight; loaded parameters go to the owners

@@ -508,10 +508,11 @@ def clipped_behind_a_slow_push(rank: int, world_size: int, max_norm: float) -> d
 
 
 def bad_max_grad_norm(rank: int, world_size: int) -> list[str]:
-    """The errors ServerOptimizer raises for max_grad_norm values that clip nothing sensible."""
+    """The errors ServerOptimizer raises for max_grad_norm values that clip nothing sensible (inf is
+    taken: the norm without clipping, which the HF Trainer's tests use)."""
     messages = []
     wrapped = PoseidonDDP(nn.Linear(4, 2), timeout=60)
-    for value in (0.0, -1.0, float("nan"), float("inf"), "1.0", [1.0], True, torch.ones(2)):
+    for value in (0.0, -1.0, float("nan"), "1.0", [1.0], True, torch.ones(2)):
         try:
             ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, max_grad_norm=value)
             messages.append(f"accepted {value!r}")

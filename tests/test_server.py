@@ -275,7 +275,7 @@ def test_max_grad_norm_is_checked(cluster):
     results = cluster.run(server_workers.bad_max_grad_norm)
     for result in results:
         *refused, threshold = result
-        assert len(refused) == 8 and all("max_grad_norm must be a finite number > 0" in m for m in refused), refused
+        assert len(refused) == 7 and all("max_grad_norm must be a number > 0" in m for m in refused), refused
         assert threshold == "threshold 2.0"
 
 
