@@ -1,10 +1,11 @@
 """Lightning on PoseidonDDP: one strategy argument.
 
-    torchrun --nproc_per_node 2 examples/lightning_train.py [--server] [--steps 40]
+    torchrun --nproc_per_node 2 examples/lightning_train.py [--server] [--steps 40] [--timeout 120]
 
 A small regressor on synthetic data, gradient clipping and accumulation as Lightning does them. With
 --server the optimizer is a ServerOptimizer (the shards hold AdamW's state and clip at the owners with
-the Trainer's gradient_clip_val). Rank 0 prints the first and last losses.
+the Trainer's gradient_clip_val). --timeout (seconds) is both the process group's and PoseidonDDP's.
+Rank 0 prints the first and last losses.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", action="store_true", help="ServerOptimizer: the shards apply the update")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait")
     args = parser.parse_args()
     torch.manual_seed(0)
     x = torch.randn(2048, 32)
@@ -51,7 +53,7 @@ def main() -> None:
     model = Regressor(args.server)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # as torchrun launched it
     trainer = pl.Trainer(accelerator="cpu", devices=per_node, num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // per_node,
-                         strategy=PoseidonStrategy(), max_steps=args.steps,
+                         strategy=PoseidonStrategy(timeout=args.timeout), max_steps=args.steps,
                          gradient_clip_val=1.0, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader)

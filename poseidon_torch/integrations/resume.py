@@ -1,0 +1,38 @@
+"""What a framework's checkpoint must carry, besides the model and the optimizer, for a resumed run to
+continue the same trajectory: PoseidonDDP's consistency state (Pipe-SGD's averaged gradients in flight
+with ``delay=k``, or a ``ServerOptimizer(delay=k)``'s values not read yet).
+
+Invariants: the state is the same on every rank (the averages and the pulled values are bit-identical
+on every rank), so the copy the main process writes serves every rank; a run that pipelines nothing
+(BSP, SSP) saves nothing, so its checkpoints load into any mode, as before.
+"""
+from __future__ import annotations
+
+import warnings
+
+from ..ddp import PoseidonDDP
+
+#: where the Lightning checkpoint dict holds it
+CHECKPOINT_KEY = "poseidon_consistency"
+#: the file next to the HF Trainer's ``optimizer.pt``
+FILE_NAME = "poseidon_consistency.pt"
+
+
+def in_flight_state(wrapper: PoseidonDDP) -> dict | None:
+    """The consistency state when something is in flight (``delay >= 1``), else None. Collective: call it
+    on every rank (it waits for the last step's sync)."""
+    state = wrapper.consistency_state_dict()
+    return state if state["delay"] else None
+
+
+def restore_in_flight_state(wrapper: PoseidonDDP, state: dict | None) -> None:
+    """Load what :func:`in_flight_state` saved, before the first step of the resumed run. A pipelined
+    run resumed from a checkpoint without it (saved by another mode, or by an older version) starts
+    with an empty pipeline: its first k steps make no update; said with a warning."""
+    if state is not None:
+        wrapper.load_consistency_state_dict(state)
+        return
+    delay = wrapper.engine.consistency.delay if wrapper.engine is not None else 0
+    if delay:
+        warnings.warn(f"PoseidonDDP: resumed from a checkpoint without Pipe-SGD's in-flight state (delay={delay}): the "
+                      f"pipeline restarts empty, so the first {delay} step(s) make no update", stacklevel=3)
