@@ -291,7 +291,8 @@ def hf_refusals(rank: int, world_size: int, root: str) -> dict[str, str]:
 def accelerate_train(rank: int, world_size: int, how: str) -> dict:
     """Issue 44 item 2: a plain accelerate loop (AdamW, gradient accumulation 2 with ``accumulate``,
     ``clip_grad_norm_`` at 0.5) with ``Accelerator`` ("ddp"), ``PoseidonAccelerator`` ("poseidon"), or
-    plain accelerate given a PoseidonDDP ("double": what the issue found, torch DDP around it)."""
+    plain accelerate given a PoseidonDDP ("double": what the issue found, torch DDP around it; and what
+    PoseidonAccelerator says to a PoseidonDDP)."""
     launched_as(rank, world_size)
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -302,13 +303,19 @@ def accelerate_train(rank: int, world_size: int, how: str) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     raw = model
+    refused = None
     if how == "double":
         model = PoseidonDDP(model, timeout=60)
-    if how == "poseidon":
+    if how != "ddp":
         from poseidon_torch.integrations.accelerate import PoseidonAccelerator
-
+    if how == "poseidon":
         accelerator = PoseidonAccelerator(gradient_accumulation_steps=2, cpu=True, poseidon_options={"timeout": 60})
     else:
+        if how == "double":  # ours refuses it before building anything
+            try:
+                PoseidonAccelerator(cpu=True).prepare(model)
+            except ValueError as exc:
+                refused = str(exc)
         accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     g = torch.Generator().manual_seed(1)
@@ -331,4 +338,4 @@ def accelerate_train(rank: int, world_size: int, how: str) -> dict:
     if how != "ddp":
         (model.module if how == "double" else model).close()
     return {"params": {n: p.detach().clone() for n, p in raw.named_parameters()}, "norms": norms,
-            "outcome": outcome, "unwrapped": unwrapped, "wrapped in": type(model).__name__}
+            "outcome": outcome, "unwrapped": unwrapped, "wrapped in": type(model).__name__, "refused": refused}

@@ -171,15 +171,18 @@ def test_hf_trainer_pipe_sgd_resumes_exactly(cluster, tmp_path, server, poseidon
         assert_same(mine["params"], ref["params"], exact=not server and cluster.world_size == 2)
 
 
-def test_hf_trainer_runs_ssp_and_refuses_what_it_cannot_do(cluster, tmp_path):
-    """Item 9: server_optimizer={"staleness": 2} trains (no clipping: no averaged gradient exists under
-    SSP, so no norm is logged) and ends with every rank on the owners' newest values; a ServerOptimizer
-    option given to PoseidonDDP, a ServerOptimizer built by hand, and SSP with clipping are refused,
-    each saying what to do."""
-    ssp = hf_train(cluster, "poseidon", {"staleness": 2}, tmp_path, training={"max_grad_norm": 0.0})
-    for result in ssp[1:]:
-        assert_same(result["params"], ssp[0]["params"], exact=True)
-    assert all(result["norms"] == [] for result in ssp)
+def test_hf_trainer_runs_ssp_and_async_and_refuses_what_it_cannot_do(cluster, tmp_path):
+    """Item 9: server_optimizer={"staleness": 2} (SSP) and {"staleness": None, "push_every": 2} (Downpour)
+    train (no clipping: no averaged gradient exists there, so no norm is logged) and end with every rank
+    on the owners' newest values; a ServerOptimizer option given to PoseidonDDP, a ServerOptimizer built
+    by hand, and SSP with clipping are refused, each saying what to do."""
+    for server in ({"staleness": 2}, {"staleness": None, "push_every": 2}):
+        results = hf_train(cluster, "poseidon", server, tmp_path, training={"max_grad_norm": 0.0})
+        initial = integration_workers.tiny_gpt2().state_dict()
+        assert any(not torch.equal(results[0]["params"][n], initial[n]) for n in results[0]["params"]), server
+        for result in results[1:]:
+            assert_same(result["params"], results[0]["params"], exact=True)
+        assert all(result["norms"] == [] for result in results)
     for said in cluster.run(integration_workers.hf_refusals, str(tmp_path / "refusals"), timeout=180):
         assert said["staleness in poseidon_options"].startswith("ValueError") and \
             "server_optimizer={'staleness': 2}" in said["staleness in poseidon_options"]
@@ -201,3 +204,4 @@ def test_accelerate_trains_on_poseidon_ddp_and_refuses_the_double_wrap(cluster):
         torch.testing.assert_close(torch.tensor(mine["norms"]), torch.tensor(ref["norms"]), rtol=RTOL, atol=0)
         assert twice["wrapped in"] == "DistributedDataParallel"
         assert "PoseidonAccelerator" in twice["outcome"] and "synced twice" in twice["outcome"]
+        assert "prepare the plain model" in twice["refused"]
