@@ -3,7 +3,8 @@
 - BSP modes compute DDP's gradients, so their validation loss against steps coincides with torch DDP's
   (same seeds, same data order); a mode that never syncs (``compute-only``) must fail the same check.
 - A persistent straggler's steps really take about ``factor`` times as long; transient pauses follow
-  their seeded draw; a slow link is shaped at its own rate.
+  their seeded draw; a slow link is shaped at its own rate, and a link of 100 Mbit/s or 10 Mbit/s carries
+  a known payload at that rate (netns, root only).
 - The command runs end to end on tiny settings (CI smoke): table, figure, results.json, progress lines,
   and a time budget that stops every rank after the same step.
 """
@@ -225,3 +226,74 @@ def test_a_slow_link_is_shaped_at_its_own_rate() -> None:
     except NetnsUnavailable as exc:
         pytest.skip(f"no network namespaces here: {exc}")
     assert "rate 1Gbit" in shown[0] and "rate 100Mbit" in shown[1], shown
+
+
+RECEIVER = """
+import socket
+server = socket.create_server(("0.0.0.0", 5201))
+print("ready", flush=True)
+for _ in range(2):
+    conn, _ = server.accept()
+    got = 0
+    while chunk := conn.recv(1 << 20):
+        got += len(chunk)
+    conn.sendall(str(got).encode())
+    conn.close()
+"""
+SENDER = """
+import json, socket, sys, time
+def tx():
+    with open("/sys/class/net/veth0/statistics/tx_bytes") as f:
+        return int(f.read())
+for size in map(int, sys.argv[2:]):
+    time.sleep(0.5)  # idle: the shaper's bucket fills up to its burst
+    before = tx()
+    conn = socket.create_connection((sys.argv[1], 5201))
+    start = time.perf_counter()
+    conn.sendall(bytes(size))
+    conn.shutdown(socket.SHUT_WR)
+    got = int(conn.recv(64))
+    seconds = time.perf_counter() - start
+    conn.close()
+    print(json.dumps({"size": size, "received": got, "seconds": seconds, "wire_bytes": tx() - before}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("rate", ["100mbit", "10mbit"])
+def test_a_slow_link_is_shaped_at_its_own_rate_on_the_wire(rate: str) -> None:
+    """A known payload from host 0 to host 1 over TCP: 1.5 s of traffic at the rate, then 50 ms of it,
+    each after an idle half second. The wire carries the payload and its headers (0-5% more bytes, read
+    from host 0's veth; TCP resends a frame now and then); the long transfer takes 0.97-1.25 times
+    payload / rate (a loaded machine may slow a transfer, it cannot speed one up); and no transfer ends
+    sooner than 0.97 times what its wire bytes take at the rate beyond one burst of 1 ms of traffic or
+    one jumbo frame, whichever is more (all a shaper's bucket holds after an idle link). With the burst
+    of 128 KiB used until 2026-11-27, the long transfer through 10 Mbit/s took 1.41 s (1.5 s at the
+    rate; it passed at 100 Mbit/s, where 128 KiB is 10 ms of traffic)."""
+    from poseidon_torch.bench.netns import EmulatedCluster, NetnsUnavailable, parse_rate
+
+    rate_bps = parse_rate(rate)
+    sizes = [int(rate_bps / 8 * seconds) for seconds in (1.5, 0.05)]
+    try:
+        with EmulatedCluster(2, rate, prefix="ptt-") as cluster:
+            receiver = subprocess.Popen(cluster.command(1, [sys.executable, "-c", RECEIVER]), stdout=subprocess.PIPE,
+                                        text=True)
+            try:
+                assert receiver.stdout.readline().strip() == "ready"
+                sender = subprocess.run(cluster.command(0, [sys.executable, "-c", SENDER, cluster.address(1),
+                                                            *map(str, sizes)]),
+                                        capture_output=True, text=True, timeout=60)
+            finally:
+                receiver.kill()
+                receiver.wait()
+    except NetnsUnavailable as exc:
+        pytest.skip(f"no network namespaces here (needs root and iproute2): {exc}")
+    assert sender.returncode == 0, sender.stderr
+    long, short = [json.loads(line) for line in sender.stdout.splitlines()]
+    for transfer in (long, short):
+        assert transfer["received"] == transfer["size"]
+        assert transfer["size"] <= transfer["wire_bytes"] <= 1.05 * transfer["size"], transfer
+    ideal_s = long["size"] * 8 / rate_bps
+    assert 0.97 * ideal_s <= long["seconds"] <= 1.25 * ideal_s, (long, ideal_s)
+    free_bytes = max(rate_bps / 8 * 1e-3, 9000 + 14)
+    for transfer in (long, short):
+        assert transfer["seconds"] >= 0.97 * (transfer["wire_bytes"] - free_bytes) * 8 / rate_bps, transfer
