@@ -28,6 +28,7 @@ from poseidon_torch.bench.launch import RankFailure, run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BSP_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-server-lazy")
+BASELINES = ("torch-ddp-powersgd", "torch-ddp-localsgd", "one-host")
 #: fp32 noise of a differently ordered gradient sum, after a dozen AdamW steps, is ~1e-7 relative
 BSP_TOLERANCE = 1e-5
 
@@ -46,8 +47,8 @@ def run_accuracy(out: Path, *args: str, tiny: bool = True) -> tuple[subprocess.C
 def digits_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict, Path]:
     out = tmp_path_factory.mktemp("accuracy")
     done, report = run_accuracy(out, "--task", "digits", "--steps", "12", "--eval-every", "3",
-                                "--straggler", "transient:p=0.3,delay=5ms,seed=3",
-                                "--modes", ",".join(("torch-ddp", *BSP_MODES, "compute-only")))
+                                "--straggler", "transient:p=0.3,delay=5ms,seed=3", "--powersgd-start-iter", "2",
+                                "--modes", ",".join(("torch-ddp", *BSP_MODES, "compute-only", *BASELINES)))
     return done, report, out
 
 
@@ -94,16 +95,67 @@ def test_the_smoke_run_writes_table_figure_and_progress(digits_run: tuple) -> No
     assert report["config"]["straggler_spec"]["kind"] == "transient"
 
 
+def test_powersgd_follows_ddp_until_it_compresses_then_sends_fewer_bytes(digits_run: tuple) -> None:
+    """torch's PowerSGD hook, started at step 2: its first two steps all-reduce plainly, so the losses of
+    steps 1-3 are DDP's bit for bit; from step 3 on it sends rank-4 factors: different losses, and (bytes
+    each rank's process wrote while training) a third fewer bytes per step than DDP on this small CNN,
+    whose convolutions and last layer are too small to compress."""
+    _, report, _ = digits_run
+    ddp, power = _ok(report, "torch-ddp"), _ok(report, "torch-ddp-powersgd")
+    assert power["train_loss_rank0"][:3] == ddp["train_loss_rank0"][:3]
+    assert power["train_loss_rank0"][3:] != ddp["train_loss_rank0"][3:]
+    assert power["bytes_source"] == ddp["bytes_source"] == "sent"
+    assert all(p < 0.8 * d for p, d in zip(power["bytes_per_step_by_rank"], ddp["bytes_per_step_by_rank"]))
+    assert report["config"]["baselines"]["torch-ddp-powersgd"]["start_powerSGD_iter"] == 2
+
+
+def test_local_sgd_ranks_differ_between_averages_and_agree_after_the_final_one(digits_run: tuple) -> None:
+    """Period 4, no warm-up: steps 1, 5 and 9 average the parameters; after step 12 the ranks hold
+    different ones, the final average gives every rank the same bits (BSP's ranks agree throughout), and it
+    sent about a quarter of DDP's bytes per step."""
+    _, report, _ = digits_run
+    local, ddp = _ok(report, "torch-ddp-localsgd"), _ok(report, "torch-ddp")
+    before = [d["before_final_average"] for d in local["param_digests_by_rank"]]
+    after = [d["final"] for d in local["param_digests_by_rank"]]
+    assert before[0] != before[1] and after[0] == after[1]
+    assert len({d["final"] for d in ddp["param_digests_by_rank"]}) == 1
+    assert all(0.15 * d < b < 0.5 * d for b, d in zip(local["bytes_per_step_by_rank"], ddp["bytes_per_step_by_rank"]))
+    assert [p["step"] for p in local["evals"]] == [0, 3, 6, 9, 12]
+
+
+def test_one_host_trains_alone_on_its_shard(digits_run: tuple) -> None:
+    """One process, no peer, nothing sent; it reads host 0's shard of the two: its losses are those of
+    compute-only's rank 0 (the same shard, alone) bit for bit, and so are its final parameters."""
+    done, report, _ = digits_run
+    alone, compute_only = _ok(report, "one-host"), _ok(report, "compute-only")
+    assert alone["world_size"] == 1 and alone["data_shards"] == 2 and alone["bytes_per_step_by_rank"] == [0.0]
+    assert alone["train_loss_rank0"] == compute_only["train_loss_rank0"]
+    assert alone["param_digests_by_rank"][0] == compute_only["param_digests_by_rank"][0]
+    assert alone["speedup_over"]["one-host"] in (None, {"x": 1.0, "at_least": False})
+    assert "| vs DDP | vs one-host |" in done.stdout and "- one-host: host 0 alone on its shard" in done.stdout
+
+
 def test_a_time_budget_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
-    done, report = run_accuracy(tmp_path, "--task", "lm", "--time-budget", "1.5", "--eval-every", "5",
-                                "--modes", "torch-ddp,poseidon-ps")
+    """Lockstep modes stop every rank after the step rank 0 publishes; local SGD after a step that
+    averages (its ranks meet only there), with one model on every rank; compute-only, which never
+    syncs, stops each rank on its own clock, at its first step that ends past the budget."""
+    budget = 1.5
+    done, report = run_accuracy(tmp_path, "--task", "lm", "--time-budget", str(budget), "--eval-every", "5",
+                                "--modes", "torch-ddp,poseidon-ps,torch-ddp-localsgd,compute-only")
     assert done.returncode == 0, done.stderr
-    for mode in ("torch-ddp", "poseidon-ps"):
+    for mode in ("torch-ddp", "poseidon-ps", "torch-ddp-localsgd"):
         run = _ok(report, mode)
         steps = run["steps_by_rank"]
         assert steps[0] == steps[1] > 1, steps
-        assert run["train_time_s"] >= 1.5
+        assert run["train_time_s"] >= budget and run["stop_rule"] == "rank 0's clock, every rank after the same step"
         assert run["evals"][-1]["step"] == steps[0] and run["evals"][-1]["val_bits_per_byte"] < 8.2
+    local = _ok(report, "torch-ddp-localsgd")
+    assert (local["steps_by_rank"][0] - 1) % 4 == 0  # a step that averaged: period 4, no warm-up
+    assert len({d["final"] for d in local["param_digests_by_rank"]}) == 1
+    alone = _ok(report, "compute-only")
+    assert alone["stop_rule"] == "own clock"
+    for ends in alone["step_end_s_by_rank"]:  # each rank's own clock
+        assert ends[-2] < budget <= ends[-1] + 0.05, ends[-3:]  # + the few lines between its end and the check
 
 
 def test_a_persistent_straggler_computes_factor_times_slower(tmp_path: Path) -> None:
@@ -145,6 +197,8 @@ def test_a_bad_straggler_is_refused_with_the_reason(text: str, message: str) -> 
     (("--modes", "torch-ddp,torch-ddp"), "names a mode twice"),
     (("--time-budget", "-1"), "positive seconds"), (("--timeout", "0"), "positive seconds"),
     (("--target", "nan"), "must be numbers"),
+    (("--powersgd-start-iter", "1"), "--powersgd-start-iter: must be >= 2 (torch's PowerSGD"),
+    (("--localsgd-period", "0"), "--localsgd-period: must be >= 1"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: tuple, message: str,
                                                         capsys: pytest.CaptureFixture) -> None:

@@ -1,8 +1,10 @@
-"""Smoke test of ``python -m poseidon_torch.bench`` in localhost mode: 2 ranks, tiny model, 2 timed iterations.
+"""Smoke test of ``python -m poseidon_torch.bench`` in localhost mode: 2 ranks, tiny model, 4 timed iterations.
 
 Runs the real runner in a subprocess with a hard timeout (pytest-timeout may be absent), then checks that
-results.json holds every mode, torch DDP's and PoseidonDDP's alike, with positive times, and that the
-table and the plot were produced. A mode that failed fails its test (nothing is skipped).
+results.json holds every mode, torch DDP's, PoseidonDDP's and the slow-network baselines' alike, with
+positive times, that the table and the plot were produced, and that the baselines send what their
+algorithms send: PowerSGD far fewer bytes than DDP, local SGD a period's share of them, one host nothing.
+A mode that failed fails its test (nothing is skipped).
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid")
-RUN_TIMEOUT_S = 150  # four modes, two worker processes each, on a slow 2-core machine
+BASELINES = ("torch-ddp-powersgd", "torch-ddp-localsgd", "one-host")
+MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", *BASELINES)
+ITERS = 4  # a whole period of local SGD's averaging (every 4 steps)
+RUN_TIMEOUT_S = 600  # seven modes, up to two worker processes each, on a slow, shared 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +28,8 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comp
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))))
     command = [sys.executable, "-m", "poseidon_torch.bench", "--mode", "localhost", "--hosts", "2",
-               "--bandwidth", "1gbit", "--workload", "fc_heavy", "--tiny", "--iters", "2", "--warmup", "1",
-               "--timeout", "120", "--out", str(out)]
+               "--bandwidth", "1gbit", "--workload", "fc_heavy", "--tiny", "--iters", str(ITERS), "--warmup", "2",
+               "--timeout", "120", "--modes", ",".join(MODES), "--out", str(out)]
     done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     results = out / "results.json"
     assert results.is_file(), f"no results.json; exit {done.returncode}\n{done.stdout}\n{done.stderr}"
@@ -35,7 +39,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comp
 def _check_mode(result: dict) -> None:
     assert "error" not in result, result.get("error", "") + "\n" + result.get("log_tail", "")
     assert result["iter_s"] > 0
-    assert len(result["iter_times_s"]) == 2 and all(t > 0 for t in result["iter_times_s"])
+    assert len(result["iter_times_s"]) == ITERS and all(t > 0 for t in result["iter_times_s"])
     assert result["samples_per_s"] > 0
 
 
@@ -55,7 +59,26 @@ def test_report_shape(bench_run: tuple) -> None:
     assert entry["modes"]["torch-ddp"]["bytes_per_iter_per_host"] == entry["profile"]["param_bytes"]
     assert (out / "results.png").stat().st_size > 0
     assert "torch-ddp" in done.stdout and "x bound" in done.stdout and "CPU floor ms" in done.stdout
+    assert "torch's powerSGD_hook, rank 4" in done.stdout and "plain all-reduce for the first 2 steps" in done.stdout
+    assert report["config"]["baselines"]["torch-ddp-powersgd"]["start_powerSGD_iter"] == 2  # --warmup
     assert done.returncode == 0, done.stderr
+
+
+def test_the_baselines_send_what_their_algorithms_send(bench_run: tuple) -> None:
+    """Bytes each rank's process wrote over the timed loop (its socket writes): DDP's match the ring
+    all-reduce of the gradients; PowerSGD's rank-4 factors are a small part of them; local SGD averages
+    the parameters (as many bytes) once in its 4 timed steps; one host alone, a world of one, sends nothing."""
+    _, report, _ = bench_run
+    modes = report["workloads"]["fc_heavy"]["modes"]
+    ddp = modes["torch-ddp"]["sent_bytes_per_iter_by_rank"]
+    assert ddp[0] == pytest.approx(report["workloads"]["fc_heavy"]["profile"]["param_bytes"], rel=0.01)
+    for mode, low, high in (("torch-ddp-powersgd", 0.0, 0.2), ("torch-ddp-localsgd", 0.24, 0.27)):
+        result = modes[mode]
+        assert result["bytes_source"] == "sent"
+        assert all(low * d < sent <= high * d for sent, d in zip(result["sent_bytes_per_iter_by_rank"], ddp)), mode
+    one_host = modes["one-host"]
+    assert one_host["world_size"] == 1 and one_host["sent_bytes_per_iter_by_rank"] == [0.0]
+    assert one_host["samples_per_s"] == pytest.approx(one_host["batch_per_rank"] / one_host["iter_s"])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -66,7 +89,8 @@ def test_no_mode_runs_faster_than_its_cpu_floor(bench_run: tuple, mode: str) -> 
     _, report, _ = bench_run
     result, cores = report["workloads"]["fc_heavy"]["modes"][mode], report["config"]["shared_cores"]
     assert cores == len(os.sched_getaffinity(0))
-    assert result["cpu_floor_s"] == pytest.approx(result["cpu_s_per_iter"] / cores)
+    hosts_share = cores * result["world_size"] / report["config"]["hosts"]  # one-host: one host's cores
+    assert result["cpu_floor_s"] == pytest.approx(result["cpu_s_per_iter"] / hosts_share)
     assert 0 < result["cpu_floor_s"] <= result["iter_s"] * 1.05 + 0.002
 
 
@@ -97,7 +121,8 @@ def test_the_iteration_time_is_the_jobs_throughput_not_the_longest_rank_of_every
 
     args = argparse.Namespace(mode="torch-ddp", workload="fc_heavy", tiny=True, compile=False, threads=1, iters=4,
                               warmup=0, optimizer="sgd", wire_iface=None)
-    rank = {"cpu_s_per_iter": 0.1, "losses": [0.0] * 4, "optimizer_state_bytes": 0, "api_bytes_per_iter": 0.0}
+    rank = {"cpu_s_per_iter": 0.1, "losses": [0.0] * 4, "optimizer_state_bytes": 0, "api_bytes_per_iter": 0.0,
+            "sent_bytes_per_iter": None}
     records = [dict(rank, times=[1.0, 3.0, 1.0, 3.0], loop_s=8.0), dict(rank, times=[3.0, 1.0, 3.0, 1.0], loop_s=8.0)]
     result = summarise(args, records, build("fc_heavy", tiny=True), param_bytes=1000)
     assert result["iter_s"] == pytest.approx(2.0) and result["median_iter_s"] == pytest.approx(3.0)
@@ -114,3 +139,18 @@ def test_the_report_refuses_results_written_before_iter_s(tmp_path: Path):
                                "workloads": {"gpt2": {"modes": {"torch-ddp": {"median_iter_s": 1.0}}}}}))
     with pytest.raises(SystemExit, match="written before 2026-11-26, without iter_s"):
         report.main([str(old)])
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--modes", "compute-only,torch-ddp,torch-ddp-powersgd", "--warmup", "1"), "give --warmup 2 or more"),
+    (("--modes", "compute-only,torch-ddp,torch-ddp-localsgd", "--iters", "6"), "a multiple of it"),
+    (("--modes", "compute-only,torch-ddp", "--powersgd-rank", "0"), "--powersgd-rank: must be >= 1"),
+])
+def test_the_baselines_refuse_settings_that_would_time_something_else(args: tuple, message: str,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    from poseidon_torch.bench.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--iters", "4", "--warmup", "2", *args])
+    stderr = capsys.readouterr().err
+    assert refused.value.code == 2 and message in stderr, stderr

@@ -5,6 +5,8 @@ Entry point: ``python -m poseidon_torch.bench --help`` (see :mod:`poseidon_torch
 Layout:
 - :mod:`~poseidon_torch.bench.workloads`: the synthetic training workloads (fixed seeds).
 - :mod:`~poseidon_torch.bench.worker`: one rank of one benchmark run; writes a JSON result file.
+- :mod:`~poseidon_torch.bench.baselines`: what a slow network's user picks today (torch's PowerSGD hook,
+  post-local SGD) and one host alone, built from torch's own implementations.
 - :mod:`~poseidon_torch.bench.netns`: the emulated cluster (network namespaces, a bridge, tc shaping).
 - :mod:`~poseidon_torch.bench.launch`: where ranks run (localhost or the emulated cluster) and launching them.
 - :mod:`~poseidon_torch.bench.__main__`: the throughput runner that launches every mode and reports.

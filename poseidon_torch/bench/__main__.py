@@ -13,7 +13,12 @@ the workload's batches (GPU-sized batches of the same data).
 For every workload it runs, one after the other: ``compute-only`` (N ranks side by side that never sync,
 the same per-rank batch), ``torch-ddp``, ``poseidon-ps`` (PoseidonDDP(hybrid=False)) and ``poseidon-hybrid``
 (PoseidonDDP(hybrid=True)), each with N ranks (one per host), each rank a
-``python -m poseidon_torch.bench.worker`` process. It prints a table and writes ``DIR/results.json`` and
+``python -m poseidon_torch.bench.worker`` process; ``--modes`` adds others, among them the baselines of a
+slow network (:mod:`~poseidon_torch.bench.baselines`): ``torch-ddp-powersgd`` (rank ``--powersgd-rank``;
+here it compresses from the first timed iteration on: ``start_powerSGD_iter`` is ``--warmup``, which must
+be at least 2), ``torch-ddp-localsgd`` (period ``--localsgd-period``, which must divide ``--iters`` so that
+the timed loop holds whole periods; no warm-up, torch's default) and ``one-host`` (host 0 alone: one
+rank, one host's threads; its CPU floor is over one host's share of the cores). It prints a table and writes ``DIR/results.json`` and
 ``DIR/results.png``; per-rank logs go to ``DIR/logs``, raw worker results to ``DIR/runs``.
 
 Columns: iteration time (the slowest rank's timed loop over its iterations: the job's throughput); samples/s over all ranks (for compute-only:
@@ -56,10 +61,12 @@ import os
 import sys
 from pathlib import Path
 
+from poseidon_torch.bench.baselines import LOCALSGD, POWERSGD, TORCH_LOCALSGD_WARMUP, Baselines, \
+    add_baseline_arguments, baseline_argv, ranks_for
 from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, add_placement_arguments, free_port, \
     fresh_dir, rank_env, run_placed, run_ranks, threads_per_rank, write_report
 from poseidon_torch.bench.netns import parse_delay, parse_rate
-from poseidon_torch.bench.worker import DEFAULT_MODES, MODES, POSEIDON_MODES, add_device_arguments
+from poseidon_torch.bench.worker import ALONE_MODES, DEFAULT_MODES, MODES, POSEIDON_MODES, add_device_arguments
 from poseidon_torch.bench.workloads import MAIN_WORKLOADS, WORKLOADS
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -82,11 +89,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
                         help=f"comma-separated, compute-only and torch-ddp included (of {', '.join(MODES)})")
     add_device_arguments(parser)
+    add_baseline_arguments(parser, warm_ups=False)
     args = parser.parse_args(argv)
     args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
     unknown = set(args.modes) - set(MODES)
     if unknown or not {"compute-only", "torch-ddp"} <= set(args.modes):
         parser.error(f"--modes needs compute-only and torch-ddp, and only modes of {MODES}")
+    if POWERSGD in args.modes and args.warmup < 2:
+        parser.error(f"{POWERSGD} compresses from step --warmup on, so that the timed loop times compressed "
+                     f"steps, and torch's PowerSGD cannot start before step 2: give --warmup 2 or more")
+    if LOCALSGD in args.modes and args.iters % args.localsgd_period:
+        parser.error(f"{LOCALSGD} averages every --localsgd-period ({args.localsgd_period}) steps: give --iters "
+                     f"a multiple of it, so that the timed loop holds whole periods")
     try:
         args.bandwidth_bps = parse_rate(args.bandwidth)
         args.latency = parse_delay(args.latency) if args.latency else None
@@ -108,7 +122,13 @@ def worker_argv(args: argparse.Namespace, mode: str, workload: str, result: Path
     argv += ["--device", args.device, "--batch-scale", str(args.batch_scale)]
     argv += ["--wire-iface", wire_iface] if wire_iface else []
     argv += ["--trace-dir", str(trace_dir)] if trace_dir else []
-    return argv
+    return argv + baseline_argv(timed_baselines(args))
+
+
+def timed_baselines(args: argparse.Namespace) -> Baselines:
+    """The baselines as timed here: PowerSGD compresses from the first timed iteration, local SGD has no
+    warm-up (torch's default)."""
+    return Baselines(args.powersgd_rank, args.warmup, args.localsgd_period, TORCH_LOCALSGD_WARMUP)
 
 
 def overlap_from_trace(trace_dir: Path | None) -> float | None:
@@ -125,8 +145,8 @@ def overlap_from_trace(trace_dir: Path | None) -> float | None:
 def run_mode(args: argparse.Namespace, placement: Placement, workload: str, mode: str) -> dict:
     """One mode of one workload; the worker's result, or ``{"mode", "error", "log_tail"}``."""
     name = f"{workload}-{mode}"
-    synced = mode != "compute-only"
-    world, threads = args.hosts, threads_per_rank(args.hosts)
+    synced = mode not in ALONE_MODES
+    world, threads = ranks_for(mode, args.hosts), threads_per_rank(args.hosts)
     result = args.out / "runs" / f"{name}.json"
     result.unlink(missing_ok=True)
     trace_dir = fresh_dir(args.out / "traces" / name) if mode in POSEIDON_MODES and args.trace else None
@@ -160,8 +180,8 @@ def minimal_sync_bytes(profile: dict, hosts: int) -> float:
 
 
 def add_derived(entry: dict, hosts: int, bandwidth_bps: int, cores: float) -> None:
-    """Lower bound, ratio to DDP, ratio to the bound and each mode's CPU floor over ``cores``, from the
-    modes' results in ``entry``."""
+    """Lower bound, ratio to DDP, ratio to the bound and each mode's CPU floor over its hosts' share of
+    ``cores`` (all of them, but one host's for ``one-host``), from the modes' results in ``entry``."""
     modes = entry["modes"]
     compute = modes["compute-only"]
     ddp = modes["torch-ddp"]
@@ -178,7 +198,7 @@ def add_derived(entry: dict, hosts: int, bandwidth_bps: int, cores: float) -> No
         result["ratio_to_ddp"] = result["samples_per_s"] / ddp["samples_per_s"] if "error" not in ddp else None
         bound = entry.get("lower_bound_s")
         result["ratio_to_lower_bound"] = result["iter_s"] / bound if bound else None
-        result["cpu_floor_s"] = result["cpu_s_per_iter"] / cores
+        result["cpu_floor_s"] = result["cpu_s_per_iter"] / (cores * result["world_size"] / hosts)
 
 
 def shared_cores(placement: Placement, hosts: int) -> float:
@@ -210,7 +230,7 @@ def table(report: dict) -> str:
                 f"{_fmt(r['ratio_to_lower_bound'], '.2f'):>8} {_fmt(r['overlap'], '.1%'):>8} "
                 f"{_fmt(r.get('cpu_s_per_iter'), '.3f'):>10} {r['cpu_floor_s'] * 1e3:>12.1f} "
                 f"{_fmt(_state_mb(r), '.1f'):>11}")
-    return "\n".join(lines)
+    return "\n".join(lines + report["config"].get("baseline_notes", []))
 
 
 def _state_mb(result: dict) -> float | None:
@@ -264,6 +284,8 @@ def config(args: argparse.Namespace, placement: Placement, workloads: list[str])
         "iters": args.iters, "warmup": args.warmup,
         "tiny": args.tiny, "workloads": workloads, "warnings": placement.warnings,
         "device": args.device, "batch_scale": args.batch_scale,
+        "baselines": timed_baselines(args).describe(args.modes),
+        "baseline_notes": timed_baselines(args).footnotes(args.modes),
     }
 
 

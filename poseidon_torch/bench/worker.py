@@ -18,7 +18,9 @@ torch refuses that overlap on gloo, pytorch#62300, so on gloo ZeRO steps after b
 ``poseidon-server`` (PoseidonDDP hybrid + ServerOptimizer: the owners apply the update) and
 ``poseidon-server-lazy`` (the same with ``lazy_pull=True``: the pulls overlap the next forward) and
 ``poseidon-server-lazy-priority`` (lazy pulls, those still running at the end of backward input side
-first: ``POSEIDON_PULL_PRIORITY=1``, to measure what the priority gives).
+first: ``POSEIDON_PULL_PRIORITY=1``, to measure what the priority gives). The baselines of a slow network
+(:mod:`~poseidon_torch.bench.baselines`): ``torch-ddp-powersgd``, ``torch-ddp-localsgd`` and ``one-host``
+(a world of one rank, the runner starts it alone).
 All modes use gloo, initialised from the env variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
 Invariants:
@@ -34,9 +36,11 @@ Invariants:
   loop, batch building left out as in the time, divided by the iterations.
 - Bytes per iteration per host: with ``--wire-iface`` the interface's ``tx_bytes`` delta over the timed loop
   (real wire bytes, headers included; read inside the rank's network namespace); otherwise PoseidonDDP's
-  ``comm_stats.bytes_sent_last_iteration`` summed over the timed loop, and for torch DDP the ring
-  all-reduce volume 2(P-1)/P x parameter bytes (buffer broadcasts not counted). The ``bytes_source`` field
-  says which.
+  ``comm_stats.bytes_sent_last_iteration`` summed over the timed loop, for torch DDP the ring
+  all-reduce volume 2(P-1)/P x parameter bytes (buffer broadcasts not counted), and for the PowerSGD and
+  local SGD baselines the bytes the rank's process wrote over the timed loop (``sent``: ``wchar`` of
+  ``/proc/self/io``, i.e. its socket writes, payload without headers; the loop writes no file). The
+  ``bytes_source`` field says which; ``sent_bytes_per_iter_by_rank`` holds the written bytes of every mode.
 - Only rank 0 writes the result file. Any error, or running longer than ``--timeout`` seconds, ends the
   process with a non-zero status (the watchdog dumps every thread's stack to stderr first).
 - PoseidonDDP is imported only by the poseidon modes, before the process group is created, so a missing
@@ -58,6 +62,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from poseidon_torch.bench.baselines import BASELINE_MODES, LOCALSGD, ONE_HOST, POWERSGD, Baselines, \
+    add_baseline_arguments, baselines_from, local_sgd_optimizer, wrap
 from poseidon_torch.bench.launch import exit_worker, worker_main
 from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, placed, profile
 
@@ -69,8 +75,10 @@ DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2, "poseidon-ps-delay1":
 PS_ONLY_MODES = ("poseidon-ps", "poseidon-ps-python", "poseidon-ps-delay1")  #: every layer on the PS path
 POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES, *DELAY_MODES)
 MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero", *SERVER_MODES,
-         *DELAY_MODES)
+         *DELAY_MODES, *BASELINE_MODES)
 DEFAULT_MODES = MODES[:4]
+#: modes whose ranks never communicate while they train
+ALONE_MODES = ("compute-only", ONE_HOST)
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.01, momentum=0.9)),
               "adamw": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01))}
 
@@ -90,18 +98,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     parser.add_argument("--compile", action="store_true", help="torch.compile the wrapped model (as users compile DDP)")
     add_device_arguments(parser)
+    add_baseline_arguments(parser)
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
     return args
 
 
-def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None) -> Callable[[nn.Module], nn.Module]:
+def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None,
+                baselines: Baselines = Baselines()) -> Callable[[nn.Module], nn.Module]:
     """The function that wraps the module for ``mode`` (imports PoseidonDDP only when needed)."""
-    if mode == "compute-only":
+    if mode in ALONE_MODES:
         return lambda module: module
     if mode in ("torch-ddp", "ddp-zero"):
         return nn.parallel.DistributedDataParallel
+    if mode in (POWERSGD, LOCALSGD):
+        return lambda module: wrap(mode, module, baselines)
     try:
         from poseidon_torch import PoseidonDDP
     except ImportError as exc:
@@ -148,9 +160,12 @@ def init_process_group(timeout: float) -> tuple[int, int]:
     return rank, world
 
 
-def make_optimizer(mode: str, model: nn.Module, cls: type, kwargs: dict) -> torch.optim.Optimizer:
-    """``mode``'s optimizer (``cls(**kwargs)``): the user's own on the whole model, or sharded (ZeRO, or
-    PoseidonDDP's servers)."""
+def make_optimizer(mode: str, model: nn.Module, cls: type, kwargs: dict,
+                   baselines: Baselines = Baselines()) -> torch.optim.Optimizer:
+    """``mode``'s optimizer (``cls(**kwargs)``): the user's own on the whole model, sharded (ZeRO, or
+    PoseidonDDP's servers), or in torch's post-local SGD optimizer."""
+    if mode == LOCALSGD:
+        return local_sgd_optimizer(model, cls, kwargs, baselines)
     if mode == "ddp-zero":
         from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -193,6 +208,16 @@ def read_tx_bytes(iface: str) -> int:
     return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
 
 
+def written_bytes() -> int | None:
+    """Bytes this process has written so far (``wchar`` of ``/proc/self/io``: every write and send
+    call, every thread, sockets included, payload only); None where the kernel does not account them."""
+    try:
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines() if line)
+        return int(fields["wchar"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
     optimizer.zero_grad(set_to_none=True)
@@ -205,13 +230,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[
 def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, rank: int) -> dict:
     """Warm up, then time ``args.iters`` iterations; this rank's raw measurements. With ``--compile`` the
     steps run through ``torch.compile(model)`` (compiled during warm-up); ``model`` keeps the stats."""
-    optimizer = make_optimizer(args.mode, model, *OPTIMIZERS[args.optimizer])
+    optimizer = make_optimizer(args.mode, model, *OPTIMIZERS[args.optimizer], baselines_from(args))
     runs = torch.compile(model) if args.compile else model
     for step in range(args.warmup):
         train_step(runs, optimizer, workload.make_batch(rank, step), workload.loss_fn)
     if dist.is_initialized():
         dist.barrier()
     tx_start = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
+    written_start = written_bytes()
     cpu_start = cpu_seconds()
     times, losses, api_bytes = [], [], 0
     loop_start, batching_s, batching_cpu_s = time.perf_counter(), 0.0, 0.0
@@ -227,9 +253,11 @@ def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, r
             api_bytes += model.comm_stats.bytes_sent_last_iteration
     loop_s = time.perf_counter() - loop_start - batching_s  # the batches are built off the clock
     tx_end = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
+    written_end = written_bytes()
     jobs = model.comm_stats.jobs_last_iteration if args.mode in POSEIDON_MODES else None
     return {"times": times, "loop_s": loop_s, "losses": losses, "api_bytes_per_iter": api_bytes / args.iters, "jobs_last_iter": jobs,
             "wire_bytes_per_iter": (tx_end - tx_start) / args.iters,
+            "sent_bytes_per_iter": None if written_start is None else (written_end - written_start) / args.iters,
             "cpu_s_per_iter": (cpu_seconds() - cpu_start - batching_cpu_s) / args.iters,
             "optimizer_state_bytes": optimizer_state_bytes(optimizer)}
 
@@ -243,12 +271,14 @@ def cpu_seconds() -> float:
 def bytes_per_iter(args: argparse.Namespace, records: list[dict], param_bytes: int) -> tuple[float, str, list[float]]:
     """(mean bytes per iteration per host, source label, per-rank values)."""
     world = len(records)
-    if args.mode == "compute-only":
+    if args.mode in ALONE_MODES:
         per_rank, source = [0.0] * world, "none"
     elif args.wire_iface:
         per_rank, source = [r["wire_bytes_per_iter"] for r in records], "wire"
     elif args.mode in POSEIDON_MODES:
         per_rank, source = [r["api_bytes_per_iter"] for r in records], "comm_stats"
+    elif args.mode in BASELINE_MODES and records[0]["sent_bytes_per_iter"] is not None:
+        per_rank, source = [r["sent_bytes_per_iter"] for r in records], "sent"
     else:
         per_rank, source = [2 * (world - 1) / world * param_bytes] * world, "analytic"
     return statistics.fmean(per_rank), source, per_rank
@@ -269,6 +299,7 @@ def summarise(args: argparse.Namespace, records: list[dict], workload: Workload,
         "cpu_s_per_iter": sum(r["cpu_s_per_iter"] for r in records),
         "losses_rank0": records[0]["losses"], "optimizer": args.optimizer,
         "optimizer_state_bytes_by_rank": [r["optimizer_state_bytes"] for r in records],
+        "sent_bytes_per_iter_by_rank": [r["sent_bytes_per_iter"] for r in records],
     }
     if args.mode in POSEIDON_MODES:
         result["comm_stats_bytes_per_iter_by_rank"] = [r["api_bytes_per_iter"] for r in records]
@@ -296,7 +327,7 @@ def measure(args: argparse.Namespace, wrap: Callable[[nn.Module], nn.Module], wo
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
-    wrap = wrapper_for(args.mode, args.timeout, args.trace_dir)
+    wrap = wrapper_for(args.mode, args.timeout, args.trace_dir, baselines_from(args))
     # compute-only ranks join the group too, but only to gather their timings after the timed loop:
     # they run side by side, so each gets the CPU share a host gets in the synced modes
     rank, _ = init_process_group(args.timeout)

@@ -6,14 +6,18 @@ Usage::
         [--bandwidth 1gbit] [--modes torch-ddp,poseidon-ps,...] (--steps S | --time-budget SECONDS)
         --eval-every E [--straggler persistent:factor=2] [--target VALUE] [--budget SECONDS] --out DIR
 
-Each mode runs after the other (one worker process per host, :mod:`~poseidon_torch.bench.accuracy.worker`),
-from the same initial weights and the same data order. The run writes ``DIR/results.json`` (every
-evaluated point of every mode, the configuration, the derived numbers), ``DIR/results.png`` (validation
-metric against training seconds and against steps) and prints a table: steps, training seconds,
-samples/s, the final metric, seconds to the target (``--target``; default: torch DDP's last value on the
-evaluation grid)
-and the metric at a time budget (``--budget``; default: the shortest run's training time). A progress
-line per evaluation point is echoed while a mode runs; rank logs go to ``DIR/logs``.
+Each mode runs after the other (one worker process per host, :mod:`~poseidon_torch.bench.accuracy.worker`;
+``one-host``: host 0's alone), from the same initial weights and the same data order. The baselines of a
+slow network (:mod:`~poseidon_torch.bench.baselines`: ``torch-ddp-powersgd``, ``torch-ddp-localsgd``,
+``one-host``) take ``--powersgd-rank``, ``--powersgd-start-iter``, ``--localsgd-period`` and
+``--localsgd-warmup``. The run writes ``DIR/results.json`` (every evaluated point of every mode, the
+configuration, the derived numbers), ``DIR/results.png`` (validation metric against training seconds and
+against steps) and prints a table (:mod:`~poseidon_torch.bench.accuracy.report`): steps, training
+seconds, seconds per step, samples/s, bytes sent per step per host, the final metric, seconds to the
+target (``--target``; default: torch DDP's last value on the evaluation grid), the metric at a time budget
+(``--budget``; default: the shortest run's training time) and the speed-up to the target over torch DDP
+and over ``one-host``. A progress line per evaluation point is echoed while a mode runs; rank logs go to
+``DIR/logs``.
 
 Invariants: the launch, placement and clean-up are the throughput benchmark's
 (:mod:`poseidon_torch.bench.launch`); a failed mode is recorded with its error and the others still run
@@ -30,6 +34,7 @@ from pathlib import Path
 from poseidon_torch.bench.accuracy.report import add_derived, plot, table
 from poseidon_torch.bench.accuracy.stragglers import parse_straggler
 from poseidon_torch.bench.accuracy.tasks import TASKS
+from poseidon_torch.bench.baselines import ONE_HOST, add_baseline_arguments, baseline_argv, baselines_from, ranks_for
 from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, add_placement_arguments, free_port, \
     rank_env, run_placed, run_ranks, threads_per_rank, write_report
 from poseidon_torch.bench.netns import parse_delay, parse_rate
@@ -57,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="shrunken models (smoke tests)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds each rank may run")
     parser.add_argument("--out", type=Path, default=Path("accuracy_out"))
+    add_baseline_arguments(parser)
     args = parser.parse_args(argv)
     args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
     if not args.modes or set(args.modes) - set(MODES):
@@ -99,11 +105,13 @@ class ProgressEcho:
 
 
 def worker_argv(args: argparse.Namespace, mode: str, result: Path, threads: int,
-                compute_s: list[float] | None) -> list[str]:
+                compute_s: list[float] | None, wire_iface: str | None) -> list[str]:
     argv = [sys.executable, "-m", "poseidon_torch.bench.accuracy.worker", "--task", args.task, "--mode", mode,
             "--eval-every", str(args.eval_every), "--straggler", args.straggler, "--threads", str(threads),
-            "--timeout", str(args.timeout), "--result", str(result)]
+            "--timeout", str(args.timeout), "--result", str(result), *baseline_argv(baselines_from(args))]
     argv += ["--compute-s", ",".join(map(repr, compute_s))] if compute_s else []
+    argv += ["--wire-iface", wire_iface] if wire_iface else []
+    argv += ["--shards", str(args.hosts)] if mode == ONE_HOST else []
     argv += ["--steps", str(args.steps)] if args.steps is not None else []
     argv += ["--time-budget", str(args.time_budget)] if args.time_budget is not None else []
     return argv + ["--tiny"] * args.tiny
@@ -113,13 +121,13 @@ def run_mode(args: argparse.Namespace, placement: Placement, mode: str, compute_
     """One mode's result, or ``{"error", "log_tail"}``; ``compute_s``: the straggler's calibration."""
     result = args.out / "runs" / f"{mode}.json"
     result.unlink(missing_ok=True)
-    threads = threads_per_rank(args.hosts)
-    argv = worker_argv(args, mode, result, threads, compute_s)
+    threads, ranks = threads_per_rank(args.hosts), ranks_for(mode, args.hosts)  # one-host: one host's threads
+    argv = worker_argv(args, mode, result, threads, compute_s, placement.wire_iface)
     port = free_port()
-    logs = [args.out / "logs" / f"{mode}-rank{rank}.log" for rank in range(args.hosts)]
+    logs = [args.out / "logs" / f"{mode}-rank{rank}.log" for rank in range(ranks)]
     try:
-        run_ranks([placement.wrap(rank, argv) for rank in range(args.hosts)],
-                  [rank_env(placement, rank, args.hosts, port, threads) for rank in range(args.hosts)],
+        run_ranks([placement.wrap(rank, argv) for rank in range(ranks)],
+                  [rank_env(placement, rank, ranks, port, threads) for rank in range(ranks)],
                   logs, args.timeout + STARTUP_GRACE_S, ProgressEcho(logs[0], mode))
     except RankFailure as exc:
         return {"error": str(exc), "log_tail": exc.log_tail}
@@ -133,7 +141,8 @@ def config(args: argparse.Namespace, placement: Placement) -> dict:
             "straggler": args.straggler, "straggler_spec": args.straggler_spec.describe(), "steps": args.steps,
             "time_budget_s": args.time_budget, "eval_every": args.eval_every, "tiny": args.tiny,
             "threads_per_rank": threads_per_rank(args.hosts), "cpus_per_host": placement.cpus_per_host,
-            "warnings": placement.warnings}
+            "warnings": placement.warnings, "baselines": baselines_from(args).describe(args.modes),
+            "baseline_notes": baselines_from(args).footnotes(args.modes)}
 
 
 def run_all(args: argparse.Namespace, placement: Placement) -> dict:
@@ -148,7 +157,7 @@ def run_all(args: argparse.Namespace, placement: Placement) -> dict:
         run = report["modes"][mode] = run_mode(args, placement, mode, calibration)
         if "error" in run:
             print(f"[{mode}] FAILED: {run['error']}", file=sys.stderr)
-        elif calibration is None and args.straggler_spec.needs_calibration:
+        elif calibration is None and args.straggler_spec.needs_calibration and run["world_size"] == args.hosts:
             calibration = run["compute_s_by_rank"]
     add_derived(report, args.target, args.budget)
     return report

@@ -3,6 +3,10 @@
 Every function reads a mode's ``evals`` (points ``{"step", "time_s", <metric>: value, ...}`` in step order, as
 the worker writes them); the judged metric is lower-is-better (validation loss or bits per byte).
 
+Speed-ups are taken at equal validation value, the target: a reference mode's time to it over this mode's.
+Where the reference never reached it, the speed-up is at least the reference's training time over this
+mode's time to it (a lower bound, shown as ">= x").
+
 Invariants: nothing is interpolated (a target counts as reached at the first evaluated point at or below
 it); a mode that failed has no numbers and is shown as failed.
 """
@@ -12,6 +16,8 @@ import contextlib
 from pathlib import Path
 
 REFERENCE_MODE = "torch-ddp"
+#: the modes every speed-up is stated over: torch DDP, and one host training alone
+SPEEDUP_REFERENCES = (REFERENCE_MODE, "one-host")
 
 
 def time_to(evals: list[dict], metric: str, target: float) -> dict | None:
@@ -65,6 +71,24 @@ def add_derived(report: dict, target: float | None, budget_s: float | None) -> N
         if reference and run is not reference:
             with contextlib.suppress(ValueError):  # fewer than two common steps: no curve to compare
                 run["divergence_from_ddp"] = divergence_from(reference["evals"], run["evals"], metric)
+    for run in runs.values():
+        run["speedup_over"] = {name: speedup(runs[name], run) for name in SPEEDUP_REFERENCES if name in runs}
+
+
+def speedup(reference: dict, run: dict) -> dict | None:
+    """``{"x": reference's time to the target / run's, "at_least": whether the reference never reached it
+    (then x is its training time over run's time to the target)}``; None if ``run`` never reached it."""
+    if run["time_to_target_s"] is None:
+        return None
+    if reference["time_to_target_s"] is not None:
+        return {"x": reference["time_to_target_s"] / run["time_to_target_s"], "at_least": False}
+    return {"x": reference["train_time_s"] / run["time_to_target_s"], "at_least": True}
+
+
+def speedup_text(value: dict | None) -> str:
+    if value is None:
+        return "-"
+    return f"{'>= ' if value['at_least'] else ''}{value['x']:.2f}x"
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -72,21 +96,30 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def table(report: dict) -> str:
-    """Markdown: one row per mode."""
+    """Markdown: one row per mode, then a line per baseline saying how it was set up."""
     metric, budget = report.get("metric", "metric"), report.get("budget_s")
-    lines = [f"| mode | steps | train s | samples/s | final {metric} | s to {_fmt(report.get('target'), '.4g')} "
-             f"| {metric} at {_fmt(budget, '.1f')} s | vs DDP by step | extra |", "|---" * 9 + "|"]
+    sources = {run.get("bytes_source") for run in report["modes"].values() if "error" not in run}
+    sent = "on the wire" if sources == {"wire"} else "sent"
+    lines = [f"| mode | steps | train s | s/step | samples/s | MB/step/host {sent} | final {metric} "
+             f"| s to {_fmt(report.get('target'), '.4g')} | {metric} at {_fmt(budget, '.1f')} s "
+             f"| vs DDP | vs one-host | vs DDP by step | extra |", "|---" * 13 + "|"]
     for mode, run in report["modes"].items():
         if "error" in run:
-            lines.append(f"| {mode} | failed: {run['error']} | | | | | | | |")
+            lines.append(f"| {mode} | failed: {run['error']} |" + " |" * 11)
             continue
         last = run["evals"][-1]
         extra = f"accuracy {last['val_accuracy']:.3f}" if "val_accuracy" in last else ""
-        lines.append(f"| {mode} | {max(run['steps_by_rank'])} | {run['train_time_s']:.1f} | {run['samples_per_s']:.1f} "
+        speedups = run.get("speedup_over", {})
+        mb = run.get("bytes_per_step_per_host")
+        lines.append(f"| {mode} | {max(run['steps_by_rank'])} | {run['train_time_s']:.1f} "
+                     f"| {_fmt(run.get('s_per_step'), '.3f')} | {run['samples_per_s']:.1f} "
+                     f"| {_fmt(None if mb is None else mb / 1e6, '.3f')} "
                      f"| {run['final_value']:.3f} | {_fmt(run['time_to_target_s'], '.1f')} "
-                     f"| {_fmt(run['value_at_budget'], '.3f')} | {_fmt(run.get('divergence_from_ddp'), '.1e')} "
+                     f"| {_fmt(run['value_at_budget'], '.3f')} | {speedup_text(speedups.get(REFERENCE_MODE))} "
+                     f"| {speedup_text(speedups.get('one-host'))} | {_fmt(run.get('divergence_from_ddp'), '.1e')} "
                      f"| {extra} |")
-    return "\n".join(lines)
+    notes = [f"- {note}" for note in report["config"].get("baseline_notes", [])]
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def plot(report: dict, path: Path) -> None:

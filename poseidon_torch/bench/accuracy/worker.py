@@ -8,7 +8,8 @@ Usage (normally launched by ``python -m poseidon_torch.bench.accuracy``)::
         --eval-every 20 --result out.json [--time-budget S] [--straggler persistent:factor=2] [--tiny]
 
 Modes are the throughput benchmark's (:data:`poseidon_torch.bench.worker.MODES`); ``compute-only`` trains
-each rank alone on its own shard (never syncs: the wrong answer the parity check must catch).
+each rank alone on its own shard (never syncs: the wrong answer the parity check must catch); ``one-host``
+is one process alone (a world of one) reading the shard of rank 0 among ``--shards`` hosts.
 
 Invariants:
 - A step is: straggler pause, zero_grad, forward, loss, backward, optimizer step. Each rank reads its own
@@ -19,24 +20,39 @@ Invariants:
   lazy pulls land; counted, as the next forward would have waited for them) and copies its module's
   ``state_dict`` (not counted on rank 0's clock; another rank of a synchronous mode may wait for it at
   its next sync). Validation runs after training, on rank 0, on those copies; ``--timeout`` covers it.
+- Local SGD (``torch-ddp-localsgd``) evaluates the model every host would hold after averaging: at an
+  evaluation point between two averages every rank averages a copy of its parameters (torch's
+  ``average_parameters``, collective) and rank 0 evaluates that average, while training goes on from each
+  rank's own parameters, as without evaluations. The average counts in that point's time (delivering that
+  model costs it) but not in the training after it, and its bytes are not counted. After the last step
+  every rank averages its own parameters (counted: the job ends with one model), unless that step did.
+- Bytes per step: what each rank sends while it trains, evaluations and progress lines left out: its
+  interface's ``tx_bytes`` with ``--wire-iface`` (netns mode, headers included), else what its process
+  writes (``/proc/self/io``'s ``wchar``: its socket writes, payload only).
 - ``--compute-s``: the straggler's calibration taken from an earlier mode of the run, so every mode
   gets the same straggler; without it the rank calibrates.
-- ``--time-budget``: when rank 0's clock passes it after ``n`` steps, it publishes ``stop = n + 1`` in the
-  run's store and every rank stops after step ``stop`` (all ranks run the same number of steps; a rank of
-  a synchronous mode is never more than one step ahead of another; under SSP or asynchronous SGD every
-  rank stops as soon as it is published, wherever its own clock is, and ``finish()`` then lands the
-  owners' newest values everywhere).
+- ``--time-budget``: modes without a barrier per step (``compute-only``, ``one-host``, SSP and asynchronous
+  SGD) stop each rank on its own clock, once it has trained that long (SSP's and asynchronous SGD's
+  ``finish()`` then lands the owners' newest values everywhere). Every other mode stops every rank after
+  the same step: when rank 0's clock passes the budget after ``n`` steps, it publishes in the run's store
+  the first step that no rank can have passed yet, and every rank stops after it: ``n + 1`` where no rank
+  finishes a step before every rank's backward of that step (DDP, its hooks, the BSP modes); ``n + 2``
+  under Pipe-SGD and lazy pulls, where a rank waits for a step's sync only in the next step, so it may
+  finish one step more than another and have started the next before rank 0 publishes; and local SGD's
+  next step that all-reduces (its ranks meet only there).
 - Rank 0 writes the result; any error or running past ``--timeout`` ends the process non-zero.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import hashlib
 import json
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -45,11 +61,18 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from poseidon_torch.bench.accuracy.stragglers import Straggler, parse_straggler
 from poseidon_torch.bench.accuracy.tasks import TASKS, Task
+from poseidon_torch.bench.baselines import LOCALSGD, ONE_HOST, LocalSGDConsensus, add_baseline_arguments, \
+    baselines_from
 from poseidon_torch.bench.launch import exit_worker, worker_main
-from poseidon_torch.bench.worker import MODES, POSEIDON_MODES, STALE_MODES, make_optimizer, wrapper_for
+from poseidon_torch.bench.worker import DELAY_MODES, MODES, POSEIDON_MODES, STALE_MODES, make_optimizer, \
+    read_tx_bytes, wrapper_for, written_bytes
 
 DATA_SEED = 97
 CALIBRATION_STEPS = 5
+#: modes without a barrier per step: each rank stops on its own clock
+OWN_CLOCK_MODES = ("compute-only", ONE_HOST, *STALE_MODES)
+#: modes whose ranks wait for a step's sync only in the next step: one may be a step ahead of another
+ONE_STEP_AHEAD_MODES = (*DELAY_MODES, "poseidon-server-lazy", "poseidon-server-lazy-priority")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,26 +90,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--result", type=Path, required=True)
+    parser.add_argument("--shards", type=int, help="one-host: the hosts whose shards the data is cut into")
+    parser.add_argument("--wire-iface", help="count the bytes sent from this interface's tx_bytes")
+    add_baseline_arguments(parser)
     args = parser.parse_args(argv)
     if args.steps is None and args.time_budget is None:
         parser.error("give --steps, --time-budget or both")
+    if (args.shards is not None) != (args.mode == ONE_HOST):
+        parser.error("--shards goes with --mode one-host, and only with it")
     return args
 
 
 class Clock:
-    """Training seconds since :meth:`start`, not counting the spans run under :meth:`paused`."""
+    """What ``read`` counts (default: seconds) since :meth:`start`, not counting what :meth:`excluded`
+    spans or :meth:`exclude` names."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: Callable[[], float] = time.perf_counter) -> None:
+        self.read = read
         self._start = self._excluded = 0.0
 
     def start(self) -> None:
-        self._start, self._excluded = time.perf_counter(), 0.0
+        self._start, self._excluded = self.read(), 0.0
 
     def elapsed(self) -> float:
-        return time.perf_counter() - self._start - self._excluded
+        return self.read() - self._start - self._excluded
 
-    def exclude(self, seconds: float) -> None:
-        self._excluded += seconds
+    def exclude(self, amount: float) -> None:
+        self._excluded += amount
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        start = self.read()
+        try:
+            yield
+        finally:
+            self.exclude(self.read() - start)
+
+
+def sent_bytes_reader(wire_iface: str | None) -> Callable[[], float] | None:
+    """This rank's sent bytes so far: its interface's, or its process's writes (module docstring); None
+    where neither can be read."""
+    if wire_iface:
+        return lambda: read_tx_bytes(wire_iface)
+    return written_bytes if written_bytes() is not None else None
 
 
 def batches(task: Task, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -123,52 +169,93 @@ def copy_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class StopRule:
-    """When to stop: after ``--steps``, or at the step rank 0 publishes once its clock passes the budget
-    (SSP and asynchronous modes, whose ranks run on their own clocks: as soon as it is published)."""
+    """When to stop: after ``--steps``; or, with ``--time-budget``, on the rank's own clock (modes without a
+    barrier per step), or after the step that rank 0 publishes once its clock passes the budget:
+    ``meeting(n)``, the first step no rank can have passed when rank 0 has done ``n``."""
 
-    def __init__(self, args: argparse.Namespace, store: dist.Store, rank: int, clock: Clock) -> None:
+    def __init__(self, args: argparse.Namespace, store: dist.Store, rank: int, clock: Clock,
+                 meeting: Callable[[int], int]) -> None:
         self.steps, self.budget, self.store, self.rank, self.clock = args.steps, args.time_budget, store, rank, clock
+        self.meeting, self.own_clock = meeting, args.mode in OWN_CLOCK_MODES
         self.stop_at: int | None = None
-        self.at_once = args.mode in STALE_MODES
 
     def done(self, steps_done: int) -> bool:
         if self.steps is not None and steps_done >= self.steps:
             return True
         if self.budget is None:
             return False
+        if self.own_clock:
+            return self.clock.elapsed() >= self.budget
         if self.stop_at is None and self.rank == 0 and self.clock.elapsed() >= self.budget:
-            self.stop_at = steps_done + 1
+            self.stop_at = self.meeting(steps_done)
             self.store.set("stop_at", str(self.stop_at))
         if self.stop_at is None and self.store.check(["stop_at"]):
             self.stop_at = int(self.store.get("stop_at"))
-        return self.stop_at is not None and (self.at_once or steps_done >= self.stop_at)
+        return self.stop_at is not None and steps_done >= self.stop_at
+
+    def describe(self) -> str:
+        if self.budget is None:
+            return "steps"
+        return "own clock" if self.own_clock else "rank 0's clock, every rank after the same step"
+
+
+def meeting_rule(mode: str, consensus: LocalSGDConsensus | None) -> Callable[[int], int]:
+    """The first step every rank can still stop after, once rank 0 has done ``n`` (module docstring)."""
+    if consensus is not None:
+        return consensus.next_meeting
+    ahead = 1 if mode in ONE_STEP_AHEAD_MODES else 0
+    return lambda steps_done: steps_done + 1 + ahead
+
+
+def digest(module: nn.Module) -> str:
+    """A fingerprint of the module's parameters: equal on two ranks iff they hold the same bits."""
+    sha = hashlib.sha256()
+    for tensor in module.parameters():
+        sha.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return sha.hexdigest()[:16]
 
 
 def train(args: argparse.Namespace, task: Task, straggler: Straggler, store: dist.Store, rank: int,
           world: int) -> dict:
     """The training loop of this rank; its raw record (rank 0's includes the snapshots)."""
-    data = batches(task, rank, world)
+    data = batches(task, rank, args.shards or world)
     if args.compute_s:
         compute_s = args.compute_s[rank]
     else:
-        compute_s = calibrate(task, batches(task, rank, world)) if straggler.needs_calibration else 0.0
-    model = wrapper_for(args.mode, args.timeout)(task.build_model())
-    optimizer = make_optimizer(args.mode, model, *task.optimizer)
-    clock, snapshots, step_end_s, losses, pauses = Clock(), [], [], [], []
-    stop = StopRule(args, store, rank, clock)
+        compute_s = calibrate(task, batches(task, rank, args.shards or world)) if straggler.needs_calibration else 0.0
+    baselines = baselines_from(args)
+    model = wrapper_for(args.mode, args.timeout, baselines=baselines)(task.build_model())
+    module = getattr(model, "module", model)
+    optimizer = make_optimizer(args.mode, model, *task.optimizer, baselines)
+    consensus = LocalSGDConsensus(baselines) if args.mode == LOCALSGD else None
+    read_sent = sent_bytes_reader(args.wire_iface)
+    clock, sent = Clock(), Clock(read_sent or (lambda: 0.0))
+    snapshots, step_end_s, losses, pauses, digests = [], [], [], [], {}
+    stop = StopRule(args, store, rank, clock, meeting_rule(args.mode, consensus))
+    last_snapshot = -1
 
     def take_snapshot(steps_done: int) -> None:
+        nonlocal last_snapshot
+        last_snapshot, state, averaging_s = steps_done, None, 0.0
+        if consensus is not None:  # every rank: the average every host would hold (collective)
+            with sent.excluded():
+                start = time.perf_counter()
+                state = consensus.averaged_copy(copy_state(model), module, steps_done)
+                averaging_s = time.perf_counter() - start
         if rank == 0:
             if args.mode in POSEIDON_MODES:
                 model.synchronize()  # lazy pulls land: training time (the next forward would wait for them)
             at, start = clock.elapsed(), time.perf_counter()
-            snapshots.append((steps_done, at, copy_state(model)))
+            with sent.excluded():
+                snapshots.append((steps_done, at, state if state is not None else copy_state(model)))
+                print(f"progress: step {steps_done}, {at:.1f} s" + (f", train loss {losses[-1]:.3f}" if losses else ""),
+                      flush=True)
             clock.exclude(time.perf_counter() - start)
-            print(f"progress: step {steps_done}, {at:.1f} s" + (f", train loss {losses[-1]:.3f}" if losses else ""),
-                  flush=True)
+        clock.exclude(averaging_s)
 
     dist.barrier()
     clock.start()
+    sent.start()
     take_snapshot(0)
     while not stop.done(len(step_end_s)):
         x, y = next(data)
@@ -185,11 +272,17 @@ def train(args: argparse.Namespace, task: Task, straggler: Straggler, store: dis
     if hasattr(optimizer, "staleness") and optimizer.stale:  # SSP/async: the owners' newest values, everywhere
         optimizer.finish()  # waiting for the others is training time: the snapshot's clock includes it
         take_snapshot(len(step_end_s))
-    if not snapshots or snapshots[-1][0] != len(step_end_s):
+    if consensus is not None:  # the job ends with one model: every rank averages, on the clock
+        digests["before_final_average"] = digest(module)
+        consensus.average_in_place(module, len(step_end_s))
+    if last_snapshot != len(step_end_s):
         take_snapshot(len(step_end_s))
+    sent_bytes = sent.elapsed() if read_sent else None
     if args.mode in POSEIDON_MODES:
         model.close()
+    digests["final"] = digest(module)
     return {"step_end_s": step_end_s, "train_losses": losses, "pauses_s": pauses, "compute_s": compute_s,
+            "sent_bytes": sent_bytes, "param_digests": digests, "stop_rule": stop.describe(),
             "snapshots": snapshots}
 
 
@@ -216,7 +309,19 @@ def summarise(args: argparse.Namespace, task: Task, straggler: Straggler, record
         "pause_s_by_rank": [sum(r["pauses_s"]) for r in records],
         "step_end_s_by_rank": [r["step_end_s"] for r in records],
         "train_loss_rank0": records[0]["train_losses"], "evals": points,
+        "s_per_step": train_time / steps[0] if steps[0] else None, "stop_rule": records[0]["stop_rule"],
+        "data_shards": args.shards or len(records), **sent_per_step(args, records),
+        "param_digests_by_rank": [r["param_digests"] for r in records],
     }
+
+
+def sent_per_step(args: argparse.Namespace, records: list[dict]) -> dict:
+    """Bytes each rank sent per step of its own, their mean over the ranks, and where they were read."""
+    if any(r["sent_bytes"] is None for r in records):
+        return {"bytes_per_step_per_host": None, "bytes_source": None}
+    per_rank = [r["sent_bytes"] / max(len(r["step_end_s"]), 1) for r in records]
+    return {"bytes_per_step_by_rank": per_rank, "bytes_per_step_per_host": sum(per_rank) / len(per_rank),
+            "bytes_source": "wire" if args.wire_iface else "sent"}
 
 
 def init_process_group(timeout: float) -> tuple[dist.Store, int, int]:
@@ -234,7 +339,7 @@ def run(args: argparse.Namespace) -> None:
     store, rank, world = init_process_group(args.timeout)
     try:
         task = TASKS[args.task](args.tiny)
-        straggler = parse_straggler(args.straggler, world)
+        straggler = parse_straggler(args.straggler, args.shards or world)  # one-host: host 0 of the cluster
         record = train(args, task, straggler, store, rank, world)
         points = evaluate(task, record.pop("snapshots")) if rank == 0 else []
         records = [None] * world
