@@ -19,7 +19,8 @@ Invariants:
   steps and at the end, rank 0 waits for its parameters to be current (``PoseidonDDP.synchronize()``:
   lazy pulls land; counted, as the next forward would have waited for them) and copies its module's
   ``state_dict`` (not counted on rank 0's clock; another rank of a synchronous mode may wait for it at
-  its next sync). Validation runs after training, on rank 0, on those copies; ``--timeout`` covers it.
+  its next sync). Validation runs after training, on rank 0, on those copies, with every core rank 0
+  may use (the others wait); ``--timeout`` covers it.
 - Local SGD (``torch-ddp-localsgd``) evaluates the model every host would hold after averaging: at an
   evaluation point between two averages every rank averages a copy of its parameters (torch's
   ``average_parameters``, collective) and rank 0 evaluates that average, while training goes on from each
@@ -341,6 +342,8 @@ def run(args: argparse.Namespace) -> None:
         task = TASKS[args.task](args.tiny)
         straggler = parse_straggler(args.straggler, args.shards or world)  # one-host: host 0 of the cluster
         record = train(args, task, straggler, store, rank, world)
+        if rank == 0:  # off the clock, the other ranks waiting: every core this rank may use
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
         points = evaluate(task, record.pop("snapshots")) if rank == 0 else []
         records = [None] * world
         dist.all_gather_object(records, record)
