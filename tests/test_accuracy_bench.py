@@ -351,3 +351,32 @@ def test_a_slow_link_is_shaped_at_its_own_rate_on_the_wire(rate: str) -> None:
     free_bytes = max(rate_bps / 8 * 1e-3, 9000 + 14)
     for transfer in (long, short):
         assert transfer["seconds"] >= 0.97 * (transfer["wire_bytes"] - free_bytes) * 8 / rate_bps, transfer
+
+
+def _summary_run(time_to_target: float | None, at_budget: float, over_ddp: dict | None = None) -> dict:
+    return {"steps_by_rank": [10, 10], "s_per_step": 1.0, "bytes_per_step_per_host": 2e6, "value_at_budget": at_budget,
+            "time_to_target_s": time_to_target, "speedup_over": {"torch-ddp": over_ddp}}
+
+
+def test_the_summary_takes_medians_over_repeats_and_a_run_short_of_the_target_counts_as_never() -> None:
+    """Three repeats of one cell: the medians and ranges are the runs' own numbers; a mode that reached the
+    target in one run of three ranks behind one that reached it late every time, and its failed run shows."""
+    from poseidon_torch.bench.accuracy.summary import markdown, summarise_cell
+
+    config = {"task": "lm", "hosts": 2, "link": "100mbit", "cpus_per_host": None, "straggler": "none",
+              "time_budget_s": 60.0, "steps": None}
+    reports = [{"config": config, "modes": {
+        "torch-ddp": _summary_run(60.0 + i, 3.0, {"x": 1.0, "at_least": False}),
+        "steady": _summary_run(50.0 - i, 2.9, {"x": 1.2, "at_least": False}),
+        "lucky": _summary_run(10.0 if i == 0 else None, 3.5, {"x": 6.0, "at_least": False} if i == 0 else None),
+    }} for i in range(3)]
+    reports[2]["modes"]["steady"] = {"error": "rank 1 exited with status 1"}
+    cell = summarise_cell(reports)
+    assert cell["ranking"] == ["steady", "torch-ddp", "lucky"]
+    steady = cell["modes"]["steady"]
+    assert steady["time_to_target_s"] == {"median": 49.5, "min": 49.0, "max": 50.0, "missing": 0}
+    assert steady["failed"] == 1 and cell["modes"]["lucky"]["time_to_target_s"]["missing"] == 2
+    text = markdown([{"title": "t", "summary": cell}])
+    assert "| steady (1 failed) | 10 | 1.000 | 2.000 | 2.900 | 49.5 (49.0-50.0) | 1.20 |" in text
+    assert "**steady** reaches the target first: 50.0 s (the median of its runs, one that failed" in text
+    assert "1.20x sooner than torch-ddp, 1.22x sooner than the runner-up torch-ddp" in text  # 61 / 50

@@ -1,0 +1,178 @@
+"""Summary of repeated time-to-accuracy runs: per cell, every mode's median and spread, and the winner.
+
+    python -m poseidon_torch.bench.accuracy.summary OUT/*/results.json [--json summary.json]
+
+A cell is one configuration (task, hosts, link, CPU per host, straggler, budget); its runs are the
+repeats. For every mode of a cell: steps, seconds per step, MB sent per step per host, the metric at the
+budget, seconds to the target and the speed-ups over torch DDP and over ``one-host`` at the target, each
+as the median over the repeats with the range (``median (min-max)``). The target is each run's own (by
+default torch DDP's last value on its evaluation grid). The winner of a cell is the mode with the lowest
+median time to the target, a run that never reached it counting as infinitely slow (so a mode that
+reached it in fewer than half the repeats cannot win); ties go to the lower median value at the budget.
+
+Invariants: every number is read from the runs' ``results.json`` (the report's derived fields); nothing is
+interpolated; a failed run of a mode is counted and shown, and leaves that mode's numbers to its other
+repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from poseidon_torch.bench.accuracy.report import REFERENCE_MODE
+
+CELL_KEYS = ("task", "hosts", "link", "cpus_per_host", "straggler", "time_budget_s", "steps")
+
+
+def cell_of(config: dict) -> tuple:
+    return tuple(config.get(key) for key in CELL_KEYS)
+
+
+def cell_title(cell: tuple, runs: int) -> str:
+    config = dict(zip(CELL_KEYS, cell))
+    cpus = f", {config['cpus_per_host']} CPU per host" if config["cpus_per_host"] else ""
+    straggler = f", straggler {config['straggler']}" if config["straggler"] != "none" else ""
+    budget = f"{config['time_budget_s']:g} s" if config["time_budget_s"] else f"{config['steps']} steps"
+    return (f"{config['task']}, {config['hosts']} hosts, {config['link']}{cpus}{straggler}, "
+            f"{budget} per mode, {runs} run{'s' * (runs != 1)}")
+
+
+def _speedup(run: dict, reference: str) -> float | None:
+    value = run.get("speedup_over", {}).get(reference)
+    return None if value is None else value["x"]
+
+
+def _bound(run: dict, reference: str) -> bool:
+    """Whether the run's speed-up over ``reference`` is a lower bound (the reference never reached the target)."""
+    value = run.get("speedup_over", {}).get(reference)
+    return bool(value and value["at_least"])
+
+
+SPEEDUPS = {"speedup_over_ddp": REFERENCE_MODE, "speedup_over_one_host": "one-host"}
+
+
+#: per mode and run, the numbers the summary takes the median of (None: not reached or not measured)
+COLUMNS = {
+    "steps": lambda run: max(run["steps_by_rank"]),
+    "s_per_step": lambda run: run.get("s_per_step"),
+    "mb_per_step": lambda run: None if run.get("bytes_per_step_per_host") is None
+    else run["bytes_per_step_per_host"] / 1e6,
+    "value_at_budget": lambda run: run.get("value_at_budget"),
+    "time_to_target_s": lambda run: run.get("time_to_target_s"),
+    **{name: (lambda run, reference=reference: _speedup(run, reference)) for name, reference in SPEEDUPS.items()},
+}
+
+
+def spread(values: list[float | None]) -> dict:
+    """Median, min and max of the values that exist, and how many runs had none."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"median": None, "min": None, "max": None, "missing": len(values)}
+    return {"median": statistics.median(present), "min": min(present), "max": max(present),
+            "missing": len(values) - len(present)}
+
+
+def summarise_cell(reports: list[dict]) -> dict:
+    """Every mode's spreads over the repeats, the failures, and the winner with its margins."""
+    modes: dict[str, list[dict]] = defaultdict(list)
+    failures: dict[str, int] = defaultdict(int)
+    for report in reports:
+        for mode, run in report["modes"].items():
+            if "error" in run:
+                failures[mode] += 1
+            else:
+                modes[mode].append(run)
+    rows = {mode: {name: spread([column(run) for run in runs]) for name, column in COLUMNS.items()}
+            for mode, runs in modes.items()}
+    for mode, row in rows.items():  # a run that never reached the target is infinitely slow for the ranking
+        times = [COLUMNS["time_to_target_s"](run) for run in modes[mode]] + [None] * failures[mode]
+        row["median_time_ranked"] = statistics.median(math.inf if t is None else t for t in times)
+        row["failed"] = failures[mode]
+        row["lower_bounds"] = {name: sum(_bound(run, reference) for run in modes[mode])
+                               for name, reference in SPEEDUPS.items()}
+    ranking = sorted(rows, key=lambda m: (rows[m]["median_time_ranked"],
+                                          rows[m]["value_at_budget"]["median"] or math.inf))
+    return {"runs": len(reports), "modes": rows, "ranking": ranking, "failed_only": sorted(set(failures) - set(rows))}
+
+
+def winner_line(cell: dict) -> str:
+    ranking, rows = cell["ranking"], cell["modes"]
+    if not ranking or math.isinf(rows[ranking[0]]["median_time_ranked"]):
+        return "No mode reached the target in most of its runs."
+    best = rows[ranking[0]]
+    parts = [f"**{ranking[0]}** reaches the target first: {best['median_time_ranked']:.1f} s (the median of its "
+             f"runs, one that failed or missed the target counting as never)"]
+    for name, reference in SPEEDUPS.items():
+        if best[name]["median"] is not None and reference != ranking[0]:
+            at_least = "at least " if best["lower_bounds"][name] else ""
+            parts.append(f"{at_least}{best[name]['median']:.2f}x sooner than {reference}")
+    if len(ranking) > 1:
+        second = ranking[1]
+        runner_up = rows[second]["median_time_ranked"]
+        parts.append(f"{runner_up / best['median_time_ranked']:.2f}x sooner than the runner-up {second}"
+                     if not math.isinf(runner_up) else f"the runner-up {second} did not reach it")
+    return ", ".join(parts) + "."
+
+
+def _cell_text(spread_: dict, spec: str, bounds: int = 0) -> str:
+    """``median (min-max)``; ``>= `` first where ``bounds`` runs gave only a lower bound."""
+    if spread_["median"] is None:
+        return "-"
+    text = (">= " if bounds else "") + format(spread_["median"], spec)
+    if spread_["min"] != spread_["max"]:
+        text += f" ({format(spread_['min'], spec)}-{format(spread_['max'], spec)})"
+    return text + (f", {spread_['missing']} not" if spread_["missing"] else "")
+
+
+def markdown(summary: list[dict]) -> str:
+    lines = []
+    for entry in summary:
+        cell = entry["summary"]
+        lines += [f"### {entry['title']}", "",
+                  "| mode | steps | s/step | MB/step/host | value at budget | s to target | vs DDP | vs one-host |",
+                  "|---" * 8 + "|"]
+        for mode in cell["ranking"]:
+            row = cell["modes"][mode]
+            failed = f" ({row['failed']} failed)" if row["failed"] else ""
+            lines.append(f"| {mode}{failed} | {_cell_text(row['steps'], '.0f')} | {_cell_text(row['s_per_step'], '.3f')} "
+                         f"| {_cell_text(row['mb_per_step'], '.3f')} | {_cell_text(row['value_at_budget'], '.3f')} "
+                         f"| {_cell_text(row['time_to_target_s'], '.1f')} "
+                         + "".join(f"| {_cell_text(row[name], '.2f', row['lower_bounds'][name])} " for name in SPEEDUPS)
+                         + "|")
+        lines += [f"| {mode} (every run failed) |" + " |" * 7 for mode in cell["failed_only"]]
+        lines += ["", winner_line(cell), ""]
+    return "\n".join(lines)
+
+
+def summarise(paths: list[Path]) -> list[dict]:
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for path in paths:
+        report = json.loads(path.read_text())
+        cells[cell_of(report["config"])].append(report)
+    return [{"cell": dict(zip(CELL_KEYS, cell)), "title": cell_title(cell, len(reports)),
+             "summary": summarise_cell(reports)} for cell, reports in cells.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m poseidon_torch.bench.accuracy.summary",
+                                     description="Median and spread per cell over repeated time-to-accuracy runs.")
+    parser.add_argument("results", nargs="+", type=Path, help="results.json files of the runs")
+    parser.add_argument("--json", type=Path, help="also write the summary as JSON here")
+    args = parser.parse_args(argv)
+    missing = [str(p) for p in args.results if not p.is_file()]
+    if missing:
+        parser.error(f"no such results file: {', '.join(missing)}")
+    summary = summarise(args.results)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1, default=str))
+    print(markdown(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
