@@ -27,6 +27,9 @@ from poseidon_torch.bench.accuracy.stragglers import Straggler, parse_straggler
 from poseidon_torch.bench.launch import RankFailure, run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 480  # the digits smoke run: eight modes, up to two worker processes each, on a shared machine
+#: a module-scoped run is set up inside its first test: that test's limit must cover it
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 BSP_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-server-lazy")
 BASELINES = ("torch-ddp-powersgd", "torch-ddp-localsgd", "one-host")
 #: fp32 noise of a differently ordered gradient sum, after a dozen AdamW steps, is ~1e-7 relative
@@ -37,7 +40,7 @@ def run_accuracy(out: Path, *args: str, tiny: bool = True) -> tuple[subprocess.C
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))))
     command = [sys.executable, "-m", "poseidon_torch.bench.accuracy", "--mode", "localhost", "--hosts", "2",
                *["--tiny"] * tiny, "--timeout", "120", "--out", str(out), *args]
-    done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     results = out / "results.json"
     assert results.is_file(), f"no results.json; exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done, json.loads(results.read_text())

@@ -40,7 +40,8 @@ from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure,
 from poseidon_torch.bench.netns import parse_delay, parse_rate
 from poseidon_torch.bench.worker import MODES
 
-DEFAULT_MODES = ("torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-server-lazy")
+#: one-host in every default table: the wall time a second machine must beat to be worth having
+DEFAULT_MODES = ("torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-server-lazy", "one-host")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
