@@ -45,9 +45,10 @@ def test_a_host_gets_only_its_quota_of_cpu_its_children_included() -> None:
     finally:
         quota.close()
     free = cpu_seconds_of(two_children)
-    # each child spins for 1 s of wall time; under the quota both share a quarter of a core
+    # each child spins for 1 s of wall time; under the quota both share a quarter of a core, without it
+    # each gets what the machine spares (most of a core when quiet; a loaded machine gives less to both)
     assert capped < 0.5, capped
-    assert free > 1.2, free
+    assert free > 2 * capped and free > 0.6, (free, capped)
 
 
 def test_leaving_kills_what_still_runs_and_removes_the_cgroups() -> None:
