@@ -214,7 +214,7 @@ class PoseidonDDP(nn.Module, Joinable):
         nn.Module.__init__(self)
         Joinable.__init__(self)
         if not dist.is_initialized():
-            raise RuntimeError("PoseidonDDP needs torch.distributed.init_process_group() to be called first")
+            raise RuntimeError(_NO_PROCESS_GROUP)
         self.module = module
         if overrides is not None and not isinstance(overrides, Mapping):
             raise TypeError(f"PoseidonDDP option overrides must be a dict {{layer: 'PS' or 'SFB'}}, got {overrides!r}")
@@ -257,6 +257,7 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def _start(self) -> None:
         """Groups, checks, rank 0's state, the engine: collective over the group's members."""
+        _check_materialised(self.module)
         self._take_over_module()
         if self._group is None:
             self._group = _group_over(self._group_ranks)
@@ -584,6 +585,26 @@ class _JoinHook(JoinHook):
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp._group)
         state = list(ddp.module.parameters()) + list(ddp.module.buffers())
         broadcast_from(state, ddp._groups.data, ddp._staged, int(candidate))
+
+
+_NO_PROCESS_GROUP = (
+    "PoseidonDDP needs a process group: launch the script with torchrun (e.g. `torchrun --nproc_per_node 2 "
+    "train.py`) and call torch.distributed.init_process_group() before wrapping the model")
+
+
+def _check_materialised(module: nn.Module) -> None:
+    """Refuse, before any collective, a module whose tensors hold no values yet (meta device, lazy)."""
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, tensor in named:
+            if nn.parameter.is_lazy(tensor):
+                raise ValueError(
+                    f"PoseidonDDP: {kind} {name!r} is uninitialised (a lazy module such as nn.LazyLinear): run "
+                    f"one forward on a sample batch before wrapping the model, so that its shapes are known")
+            if tensor.is_meta:
+                raise ValueError(
+                    f"PoseidonDDP: {kind} {name!r} is on the meta device: materialise the model before wrapping "
+                    f"it, e.g. model.to_empty(device='cpu') then initialise it (reset_parameters() on each "
+                    f"module, or load_state_dict() of a checkpoint)")
 
 
 def _group_over(ranks: list[int]) -> Any:

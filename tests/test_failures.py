@@ -42,3 +42,18 @@ def test_dead_peer_ends_the_step_within_timeout(fresh_cluster):
 def test_requires_initialised_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         PoseidonDDP(torch.nn.Linear(2, 2))
+
+
+def test_without_a_process_group_the_error_says_to_launch_with_torchrun():
+    with pytest.raises(RuntimeError, match="torchrun") as raised:
+        PoseidonDDP(torch.nn.Linear(2, 2))
+    assert "init_process_group" in str(raised.value)
+
+
+@pytest.mark.parametrize("kind, advice", [("meta", "to_empty"), ("lazy", "forward on a sample batch")])
+def test_an_unmaterialised_model_is_refused_before_any_collective(cluster, kind, advice):
+    results = cluster.run(workers.unmaterialised_model, kind)
+    for result in results:
+        assert "'0.weight'" in result["error"] and advice in result["error"], result["error"]
+        assert result["elapsed"] < 5
+        assert result["sum_of_ranks"] == sum(range(len(results)))

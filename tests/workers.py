@@ -844,3 +844,20 @@ def runs_given_a_recorded_plan(rank: int, world_size: int, record_path: str) -> 
     return {"recorded": recorded, "fast": _train_with_link(rank, world_size, spec, fast, None),
             "fast, plan": _train_with_link(rank, world_size, spec, fast, recorded["plan"]),
             "slow, plan file": _train_with_link(rank, world_size, spec, slow, record_path)}
+
+
+def unmaterialised_model(rank: int, world_size: int, kind: str) -> dict:
+    """Every rank wraps a model on the meta device or with a lazy layer: construction must refuse it
+    before any collective, so the ranks are still in step (a collective afterwards agrees) and quick."""
+    first = torch.nn.Linear(4, 8).to("meta") if kind == "meta" else torch.nn.LazyLinear(8)
+    model = torch.nn.Sequential(first, torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    start = time.perf_counter()
+    try:
+        PoseidonDDP(model, timeout=20)
+        error = "no error"
+    except ValueError as exc:
+        error = str(exc)
+    elapsed = time.perf_counter() - start
+    total = torch.tensor([float(rank)])
+    torch.distributed.all_reduce(total)
+    return {"error": error, "elapsed": elapsed, "sum_of_ranks": total.item()}
