@@ -1,20 +1,30 @@
 """Train a small VGG-like CNN with PoseidonDDP (and, with --compare-ddp, torch DDP in the same run).
 
-    torchrun --nproc_per_node 2 examples/train.py [--steps 30] [--batch 32] [--compare-ddp] [--server]
+    torchrun --nproc_per_node 2 examples/train.py [--steps N] [--batch 32] [--compare-ddp] [--server]
         [--delay K] [--staleness S|none [--push-every N] [--fetch-every M]]
 
-With --server both runs use AdamW, and PoseidonDDP's is a ServerOptimizer: the KV-store shards hold
-the optimizer state (1/P of it each) and apply the update; the example prints the state per rank.
-With --delay K PoseidonDDP runs Pipe-SGD: each step applies the averaged gradients of K steps earlier
-(``PoseidonDDP(model, delay=K)``, or ``ServerOptimizer(..., delay=K)`` with --server), so a step's
-sync runs on during the next K steps; the first K steps apply nothing.
-With --server --staleness S the servers run stale synchronous parallel (no rank more than S steps ahead
-of the slowest; ``none``: asynchronous), AdamW at lr / P (each push is one step of it), and every rank
-calls ``opt.finish()`` at the end; asynchronous runs may push summed gradients every N steps and take
-new values every M steps (Downpour's n_push, n_fetch).
+Each mode runs with the optimizer settings under which it trains well (printed at the start; the rule
+behind them is docs/staleness.md):
+- default (hybrid BSP): SGD, lr 0.02, momentum 0.9, 30 steps;
+- --delay K (Pipe-SGD, ``PoseidonDDP(model, delay=K)``): each step applies the averaged gradients of K
+  steps earlier, so a step's sync runs on during the next K steps and the first K steps apply nothing.
+  A stale gradient shrinks the largest step size that stays stable, and momentum shrinks it further
+  instead of widening it as under BSP, so this runs SGD at lr 0.02 / K with momentum 0.5, 60 steps (with
+  BSP's momentum 0.9 the loss oscillates and ends above where it started);
+- --server: AdamW (lr 1e-3) in both runs, PoseidonDDP's as a ServerOptimizer: the KV-store shards hold
+  the optimizer state (1/P of it each) and apply the update; the example prints the state per rank.
+  With --delay K the new values reach the parameters K steps later (``ServerOptimizer(..., delay=K)``):
+  AdamW at lr 1e-3 / (K + 1), beta1 0.5;
+- --server --staleness S: stale synchronous parallel (no rank more than S steps ahead of the slowest;
+  ``none``: asynchronous), AdamW at lr 1e-3 / P (each push is one step of it), and every rank calls
+  ``opt.finish()`` at the end; asynchronous runs may push summed gradients every N steps and take new
+  values every M steps (Downpour's n_push, n_fetch).
 
-The data are synthetic but learnable: each class is a fixed random 32x32 image plus noise, so the loss
-falls within a few dozen steps. Prints loss and samples/s; rank 0 prints the summary.
+The data are synthetic but learnable: each class is a fixed random 32x32 image plus noise. Rank 0 prints
+the loss, the plan (one row per bucket: docs/getting-started.md explains the columns) and a summary.
+The speed ratio against torch DDP compares two runs on this machine's loopback: it measures the
+engines' CPU cost, not a network, and it is noise on a machine with fewer free cores than ranks
+(docs/benchmarks.md says when a ratio means something).
 """
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from poseidon_torch import PoseidonDDP, ServerOptimizer
 
 NUM_CLASSES = 10
+SUMMARY_STEPS = 5  #: the loss summary averages this many steps at each end (one batch is noisy)
 
 
 def small_vgg(fc_width: int) -> nn.Module:
@@ -60,7 +71,9 @@ def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list
     else:
         wrapped = DDP(model)
     opt = make_optimizer(wrapper, wrapped, args)
-    times = []
+    if rank == 0:
+        print(f"[{wrapper}] {describe(opt)}", flush=True)
+    times, losses = [], []
     for step in range(args.steps):
         x, y = synthetic_batch(step, args.batch, rank)
         start = time.perf_counter()
@@ -69,12 +82,17 @@ def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - start)
+        losses.append(loss.item())
         # the plan once the buckets are learned from the first backward (what the rest of training runs)
         if rank == 0 and step == 1 and getattr(wrapped, "plan", None) is not None:
             print(wrapped.plan, flush=True)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             rate = args.batch * world / times[-1]
             print(f"[{wrapper}] step {step:3d}  loss {loss.item():.4f}  {rate:8.1f} samples/s", flush=True)
+    if rank == 0:
+        first, last = (statistics.mean(losses[:SUMMARY_STEPS]), statistics.mean(losses[-SUMMARY_STEPS:]))
+        print(f"[{wrapper}] loss {first:.4f} -> {last:.4f} (mean of the first and last {SUMMARY_STEPS} steps "
+              f"of {args.steps})", flush=True)
     if isinstance(opt, ServerOptimizer):
         opt.finish()  # the newest values in the parameters, on every rank (with staleness: every push applied)
     if args.server:
@@ -85,17 +103,32 @@ def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list
 
 
 def make_optimizer(wrapper: str, wrapped: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """SGD with momentum; with ``--server``, AdamW, run by PoseidonDDP's shards for PoseidonDDP (with
-    Pipe-SGD's ``delay`` or SSP's ``staleness`` there)."""
+    """Each mode's settings (docs/staleness.md): SGD with momentum under BSP; under Pipe-SGD's delay k a
+    smaller step and less momentum; with ``--server``, AdamW, run by PoseidonDDP's shards for PoseidonDDP
+    (with Pipe-SGD's ``delay``: a smaller lr and beta1; with SSP's ``staleness``: lr / P, since each
+    rank's push is one AdamW step)."""
+    delay = args.delay if wrapper == "poseidon" else 0
     if not args.server:
+        if delay:
+            return torch.optim.SGD(wrapped.parameters(), lr=0.02 / delay, momentum=0.5)
         return torch.optim.SGD(wrapped.parameters(), lr=0.02, momentum=0.9)
     if wrapper == "poseidon" and args.staleness != 0:
         lr = 1e-3 / dist.get_world_size()  # one AdamW step per push: P of them per clock
         return ServerOptimizer(wrapped, torch.optim.AdamW, lr=lr, weight_decay=0.01, staleness=args.staleness,
                                push_every=args.push_every, fetch_every=args.fetch_every)
     if wrapper == "poseidon":
-        return ServerOptimizer(wrapped, torch.optim.AdamW, lr=1e-3, weight_decay=0.01, delay=args.delay)
+        return ServerOptimizer(wrapped, torch.optim.AdamW, lr=1e-3 / (delay + 1), betas=(0.5 if delay else 0.9, 0.999),
+                               weight_decay=0.01, delay=delay)
     return torch.optim.AdamW(wrapped.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+def describe(opt: torch.optim.Optimizer) -> str:
+    """The optimizer and the settings that matter under staleness, e.g. ``SGD: lr 0.02, momentum 0.9``."""
+    group = opt.param_groups[0]
+    server = isinstance(opt, ServerOptimizer)
+    name = f"{opt.optimizer_class.__name__} on the parameter servers" if server else type(opt).__name__
+    return f"{name}: " + ", ".join(f"{key} {group[key]:.3g}" if key == "lr" else f"{key} {group[key]}"
+                                   for key in ("lr", "momentum", "betas") if key in group)
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -110,7 +143,8 @@ def staleness(text: str) -> int | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per run (default 30; 60 with --delay, whose smaller steps need more)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32, help="samples per rank")
     parser.add_argument("--fc-width", type=int, default=1024)
@@ -126,6 +160,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.staleness != 0 and not args.server:
         parser.error("--staleness needs --server (SSP runs on the parameter servers)")
+    if "RANK" not in os.environ:
+        parser.error("launch it with torchrun, which starts one process per rank: "
+                     "torchrun --nproc_per_node 2 examples/train.py [options]")
+    args.steps = args.steps or (60 if args.delay else 30)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -137,7 +175,8 @@ def main() -> None:
                   f"{args.batch * world / median:8.1f} samples/s ({world} ranks)")
         if args.compare_ddp:
             ratio = statistics.median(results["ddp"]) / statistics.median(results["poseidon"])
-            print(f"PoseidonDDP speed vs torch DDP: {ratio:.2f}x")
+            print(f"PoseidonDDP speed vs torch DDP: {ratio:.2f}x (ranks on one machine's loopback: the engines' "
+                  f"CPU cost, not a network; noise unless every rank has a free core)")
     dist.destroy_process_group()
 
 
