@@ -4,7 +4,7 @@
         [--delay K] [--staleness S|none [--push-every N] [--fetch-every M]]
 
 Each mode runs with the optimizer settings under which it trains well (printed at the start; the rule
-behind them is docs/staleness.md):
+behind them is docs/choosing.md):
 - default (hybrid BSP): SGD, lr 0.02, momentum 0.9, 30 steps;
 - --delay K (Pipe-SGD, ``PoseidonDDP(model, delay=K)``): each step applies the averaged gradients of K
   steps earlier, so a step's sync runs on during the next K steps and the first K steps apply nothing.
@@ -21,7 +21,7 @@ behind them is docs/staleness.md):
   values every M steps (Downpour's n_push, n_fetch).
 
 The data are synthetic but learnable: each class is a fixed random 32x32 image plus noise. Rank 0 prints
-the loss, the plan (one row per bucket: docs/getting-started.md explains the columns) and a summary.
+the loss, the plan (one row per bucket, its columns explained below it) and a summary.
 The speed ratio against torch DDP compares two runs on this machine's loopback: it measures the
 engines' CPU cost, not a network, and it is noise on a machine with fewer free cores than ranks
 (docs/benchmarks.md says when a ratio means something).
@@ -42,6 +42,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from poseidon_torch import PoseidonDDP, ServerOptimizer
 
 NUM_CLASSES = 10
+PLAN_LEGEND = ("(the plan: one row per bucket, in sync order; path: PS or SFB, the one it takes; PS/SFB bytes and "
+               "time: what this rank would send per iteration on each path and the cost model's time for it; K: an "
+               "FC layer's rows per pass; docs/hybrid.md#the-plan)")
 SUMMARY_STEPS = 5  #: the loss summary averages this many steps at each end (one batch is noisy)
 
 
@@ -85,7 +88,7 @@ def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list
         losses.append(loss.item())
         # the plan once the buckets are learned from the first backward (what the rest of training runs)
         if rank == 0 and step == 1 and getattr(wrapped, "plan", None) is not None:
-            print(wrapped.plan, flush=True)
+            print(wrapped.plan, PLAN_LEGEND, sep="\n", flush=True)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             rate = args.batch * world / times[-1]
             print(f"[{wrapper}] step {step:3d}  loss {loss.item():.4f}  {rate:8.1f} samples/s", flush=True)
@@ -103,7 +106,7 @@ def train(wrapper: str, args: argparse.Namespace, rank: int, world: int) -> list
 
 
 def make_optimizer(wrapper: str, wrapped: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """Each mode's settings (docs/staleness.md): SGD with momentum under BSP; under Pipe-SGD's delay k a
+    """Each mode's settings (docs/choosing.md): SGD with momentum under BSP; under Pipe-SGD's delay k a
     smaller step and less momentum; with ``--server``, AdamW, run by PoseidonDDP's shards for PoseidonDDP
     (with Pipe-SGD's ``delay``: a smaller lr and beta1; with SSP's ``staleness``: lr / P, since each
     rank's push is one AdamW step)."""
