@@ -11,7 +11,8 @@ It is ``DDPStrategy`` with :class:`~poseidon_torch.PoseidonDDP` as the wrapper: 
 - gradient accumulation (``accumulate_grad_batches``) runs its micro-batches under ``no_sync()``, as
   Lightning does for DDP;
 - checkpoints carry PoseidonDDP's in-flight Pipe-SGD state (``resume.py``), so a resumed ``delay=k``
-  run continues the uninterrupted one;
+  run continues the uninterrupted one; also ``trainer.save_checkpoint`` after ``fit`` (the state is
+  taken before teardown closes the wrapper, and kept until the next fit wraps the model again);
 - with a :class:`~poseidon_torch.ServerOptimizer` (build it in ``configure_optimizers`` with
   :func:`server_optimizer`), ``Trainer(gradient_clip_val=c)`` becomes ``max_grad_norm=c`` at the owners
   (clipping ``.grad`` after backward could not act: the update already ran); a ServerOptimizer whose
@@ -52,11 +53,13 @@ class PoseidonStrategyMixin:
         if timeout is not None:
             self._ddp_kwargs["timeout"] = kwargs["timeout"]
         self._fit_raised = False
+        self._in_flight_after_fit: dict | None = None
 
     def _setup_model(self, model: Any) -> PoseidonDDP:
         return PoseidonDDP(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
 
     def configure_ddp(self) -> None:
+        self._in_flight_after_fit = None
         self.model = self._setup_model(self.model)
 
     @contextlib.contextmanager
@@ -74,7 +77,7 @@ class PoseidonStrategyMixin:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Every rank (Lightning calls it on every rank; the main one writes)."""
-        state = in_flight_state(self.model) if isinstance(self.model, PoseidonDDP) else None
+        state = in_flight_state(self.model) if isinstance(self.model, PoseidonDDP) else self._in_flight_after_fit
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -96,9 +99,10 @@ class PoseidonStrategyMixin:
 
     def teardown(self) -> None:
         if isinstance(self.model, PoseidonDDP):
-            if not self._fit_raised:
+            if not self._fit_raised:  # what closes with the wrapper, for a checkpoint saved after fit
                 for optimizer in self._server_optimizers():
-                    optimizer.consolidate_state_dict(to=0)  # the shards close with the wrapper
+                    optimizer.consolidate_state_dict(to=0)
+                self._in_flight_after_fit = in_flight_state(self.model)
             self.model.close()
             self.model = self.lightning_module
         self._fit_raised = False
