@@ -298,9 +298,12 @@ class ServerOptimizer(torch.optim.Optimizer):
         """A step's updates begin: a state gathered before them is stale (``state_dict()`` refuses)."""
         self._consolidated = self._consolidated_to = None
 
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the whole optimizer state on rank ``to`` (collective: every rank calls it). After the
-        wrapper closed, a state gathered on ``to`` before that is kept (nothing can change it)."""
+    def consolidate_state_dict(self, to: int | None = 0) -> None:
+        """Gather the whole optimizer state on rank ``to`` (collective: every rank calls it); ``to=None``:
+        on every rank (for frameworks that call ``state_dict()`` everywhere, as accelerate's
+        ``save_state``; each rank then holds the whole state, as a torch optimizer under DDP does). After
+        the wrapper closed, a state gathered on ``to`` before that is kept (nothing can change it)."""
+        to = self.model.rank if to is None else to
         if self.model.engine is None and self._consolidated_to == to:
             return
         self._engine.finish_aborted_pass()  # a skipped step's state taken back first

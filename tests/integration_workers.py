@@ -341,3 +341,50 @@ def accelerate_train(rank: int, world_size: int, how: str) -> dict:
         (model.module if how == "double" else model).close()
     return {"params": {n: p.detach().clone() for n, p in raw.named_parameters()}, "norms": norms,
             "outcome": outcome, "unwrapped": unwrapped, "wrapped in": type(model).__name__, "refused": refused}
+
+
+def accelerate_server_save_state(rank: int, world_size: int, root: str) -> dict:
+    """``PoseidonAccelerator(server_optimizer=True)``: 6 steps, ``accelerator.save_state``, 6 more; then a
+    fresh accelerator and model, ``load_state`` and the same last 6 steps. The outcome of ``save_state``
+    (accelerate calls the optimizer's ``state_dict()`` on every rank), the uninterrupted and the resumed
+    parameters."""
+    launched_as(rank, world_size)
+    from accelerate.state import AcceleratorState
+
+    from poseidon_torch.integrations.accelerate import PoseidonAccelerator
+
+    g = torch.Generator().manual_seed(1 + rank)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(12)]
+
+    def prepared() -> tuple:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+        accelerator = PoseidonAccelerator(cpu=True, server_optimizer=True, poseidon_options={"timeout": 60, "hybrid": False})
+        wrapped, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        return accelerator, model, wrapped, opt
+
+    def train(wrapped, opt, accelerator, part) -> None:
+        for x, y in part:
+            accelerator.backward(F.mse_loss(wrapped(x), y))
+            opt.step()
+            opt.zero_grad()
+
+    accelerator, model, wrapped, opt = prepared()
+    train(wrapped, opt, accelerator, batches[:6])
+    try:
+        accelerator.save_state(os.path.join(root, "state"))
+        saved = "saved"
+    except RuntimeError as exc:
+        saved = f"{type(exc).__name__}: {exc}"
+    train(wrapped, opt, accelerator, batches[6:])
+    whole = _params(model)
+    wrapped.close()
+    resumed = None
+    if saved == "saved":
+        accelerator, model, wrapped, opt = prepared()
+        accelerator.load_state(os.path.join(root, "state"))
+        train(wrapped, opt, accelerator, batches[6:])
+        resumed = _params(model)
+        wrapped.close()
+    return {"saved": saved, "whole": whole, "resumed": resumed}

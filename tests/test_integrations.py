@@ -208,3 +208,12 @@ def test_accelerate_trains_on_poseidon_ddp_and_refuses_the_double_wrap(cluster):
         assert twice["wrapped in"] == "DistributedDataParallel"
         assert "PoseidonAccelerator" in twice["outcome"] and "synced twice" in twice["outcome"]
         assert "prepare the plain model" in twice["refused"]
+
+
+def test_accelerate_save_state_with_server_optimizer_resumes(cluster, tmp_path):
+    """accelerate's save_state asks every rank's optimizer for its state_dict(): with server_optimizer=True
+    the state is gathered from the shards on every rank first (it raised on every rank, and on rank 1
+    also after consolidate_state_dict(to=0)), and load_state continues the uninterrupted run."""
+    for result in cluster.run(integration_workers.accelerate_server_save_state, str(tmp_path), timeout=180):
+        assert result["saved"] == "saved", result["saved"]
+        assert_same(result["resumed"], result["whole"], exact=False)

@@ -15,6 +15,8 @@ own. Invariants:
   after its model runs on that model's shards (``ServerOptimizer.from_optimizer``); ``clip_grad_norm_``
   then returns the owners' norm of the averaged gradients and cannot clip anything else (the update ran
   during backward: clip with ``max_grad_norm`` in the options);
+- ``save_state`` gathers a ServerOptimizer's state from the shards on every rank first (accelerate asks
+  every rank's optimizer for its ``state_dict()``); ``load_state`` loads it back into the shards;
 - ``unwrap_model`` takes PoseidonDDP off as accelerate takes DDP off (accelerate's free function
   ``extract_model_from_parallel`` does not know it: use the method).
 While ``prepare_model`` runs, ``torch.nn.parallel.DistributedDataParallel`` names PoseidonDDP's builder
@@ -111,6 +113,11 @@ class PoseidonAccelerator(Accelerator):
         with swapped(torch.nn.parallel, "DistributedDataParallel", PoseidonDDP):
             return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        for server in self._server_optimizers():
+            server.consolidate_state_dict(to=None)  # collective; accelerate's state_dict() runs on every rank
+        return super().save_state(output_dir, safe_serialization, **kwargs)
+
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> Any:
         """As accelerate's; with a ServerOptimizer, the norm of the averaged gradients its owners computed
         before clipping (``max_norm`` must be its ``max_grad_norm``, or ``inf``: the norm alone; None under
@@ -134,11 +141,11 @@ class PoseidonAccelerator(Accelerator):
     def _server_optimizer_of(self, parameters: list[torch.Tensor]) -> ServerOptimizer | None:
         if not parameters:
             return None
-        for prepared in self._optimizers:
-            inner = getattr(prepared, "optimizer", prepared)
-            if isinstance(inner, ServerOptimizer) and id(parameters[0]) in inner.key_of:
-                return inner
-        return None
+        return next((server for server in self._server_optimizers() if id(parameters[0]) in server.key_of), None)
+
+    def _server_optimizers(self) -> list[ServerOptimizer]:
+        inner = [getattr(prepared, "optimizer", prepared) for prepared in self._optimizers]  # accelerate wraps them
+        return [optimizer for optimizer in inner if isinstance(optimizer, ServerOptimizer)]
 
 
 def _server_options(server_optimizer: bool | Mapping[str, Any], poseidon_options: Mapping[str, Any]) -> dict | None:
