@@ -99,6 +99,16 @@ def test_lightning_server_optimizer_fit_ends_consistent_and_can_be_saved(cluster
         assert tuple(state[key]["exp_avg"].shape) == shape and tuple(state[key]["exp_avg_sq"].shape) == shape
 
 
+@pytest.mark.parametrize("timeout", ["60", -1, 0, float("inf"), float("nan"), timedelta(seconds=-5), timedelta(0)])
+def test_lightning_strategy_refuses_a_bad_timeout_by_name(timeout):
+    """A timeout Lightning's process group and PoseidonDDP cannot take is refused at construction, naming
+    the option (inf raised OverflowError, a timedelta <= 0 was accepted)."""
+    from poseidon_torch.integrations.lightning import PoseidonStrategy
+
+    with pytest.raises(TypeError, match="PoseidonStrategy option timeout"):
+        PoseidonStrategy(timeout=timeout)
+
+
 @pytest.mark.parametrize("first", ["first", "first-saved-after-fit"], ids=["ModelCheckpoint", "save_checkpoint-after-fit"])
 def test_lightning_pipe_sgd_resumes_exactly(cluster, tmp_path, first):
     """Item 3: PoseidonStrategy(delay=1) interrupted after its first epoch (Lightning's ModelCheckpoint,

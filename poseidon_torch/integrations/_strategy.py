@@ -26,6 +26,7 @@ It is ``DDPStrategy`` with :class:`~poseidon_torch.PoseidonDDP` as the wrapper: 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -119,11 +120,12 @@ class PoseidonStrategyMixin:
 
 
 def _as_timedelta(timeout: Any) -> timedelta:
-    if isinstance(timeout, timedelta):
+    if isinstance(timeout, timedelta) and timeout > timedelta(0):
         return timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf:
         return timedelta(seconds=timeout)
-    raise TypeError(f"PoseidonStrategy option timeout must be seconds > 0 or a datetime.timedelta, got {timeout!r}")
+    raise TypeError(f"PoseidonStrategy option timeout must be a finite number of seconds > 0 or a datetime.timedelta "
+                    f"> 0, got {timeout!r}")
 
 
 def server_optimizer(module: Any, optimizer_class: type, params: Any = None, **kwargs: Any) -> ServerOptimizer:
