@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import sys
 import time
@@ -148,8 +149,8 @@ class Options:
         for name in ("chunk_bytes", "fusion_bytes", "num_channels"):
             value = getattr(self, name)
             expect(name, isinstance(value, int) and not isinstance(value, bool), "an int")
-        expect("timeout", isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool),
-               "a number of seconds or a datetime.timedelta")
+        expect("timeout", isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool)
+               and math.isfinite(self.timeout), "a finite number of seconds or a datetime.timedelta")
         for name in ("broadcast_buffers", "init_sync", "hybrid"):
             expect(name, isinstance(getattr(self, name), bool), "True or False")
         expect("link", self.link is None or isinstance(self.link, LinkModel), "a LinkModel or None")

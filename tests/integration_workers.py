@@ -130,7 +130,8 @@ def lightning_server_lifecycle(rank: int, world_size: int, root: str) -> dict:
 def lightning_pipe_sgd_resume(rank: int, world_size: int, root: str, phase: str) -> dict:
     """Issue 44 item 3: ``PoseidonStrategy(delay=1)`` for 2 epochs (``phase`` "whole"), or for 1 epoch with
     Lightning's ``ModelCheckpoint`` at its end ("first") or ``trainer.save_checkpoint`` after ``fit``
-    ("first-saved-after-fit"), then resumed from that checkpoint for the second ("resume"). Also every
+    ("first-saved-after-fit"), then resumed from that checkpoint for the second ("resume"; "resume-bsp": by a run with delay=0, which must
+    refuse it, saying what to do). Also every
     rank's in-flight state as the first epoch ends (is it the same on every rank?)."""
     launched_as(rank, world_size)
     pl, ours = _lightning("lightning.pytorch")
@@ -146,10 +147,18 @@ def lightning_pipe_sgd_resume(rank: int, world_size: int, root: str, phase: str)
     model = _regressor(pl, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05))
     cut = os.path.join(root, "cut")
     callbacks = [Peek()] + ([ModelCheckpoint(dirpath=cut, filename="epoch-end")] if phase == "first" else [])
-    trainer = _quiet_trainer(pl, world_size, root, strategy=ours.PoseidonStrategy(timeout=60, hybrid=False, delay=1),
+    delay = 0 if phase == "resume-bsp" else 1
+    trainer = _quiet_trainer(pl, world_size, root, strategy=ours.PoseidonStrategy(timeout=60, hybrid=False, delay=delay),
                              max_epochs=1 if phase.startswith("first") else 2, callbacks=callbacks,
                              enable_checkpointing=phase == "first")
-    trainer.fit(model, _regression_data(48), ckpt_path=os.path.join(cut, "epoch-end.ckpt") if phase == "resume" else None)
+    resume_from = os.path.join(cut, "epoch-end.ckpt") if phase.startswith("resume") else None
+    if phase == "resume-bsp":
+        try:
+            trainer.fit(model, _regression_data(48), ckpt_path=resume_from)
+        except ValueError as exc:
+            return {"error": str(exc)}
+        return {"error": None}
+    trainer.fit(model, _regression_data(48), ckpt_path=resume_from)
     if phase == "first-saved-after-fit":
         trainer.save_checkpoint(os.path.join(cut, "epoch-end.ckpt"))
     return {"params": _params(model), "in_flight": in_flight}

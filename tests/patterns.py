@@ -755,7 +755,8 @@ def bias_frozen_midway(rank: int, world_size: int, force: str, server: bool) -> 
 
 
 BAD_OPTIONS = [{"link": 5}, {"hybrid": "no"}, {"chunk_bytes": "64"}, {"num_channels": 1.5},
-               {"overrides": [("fc1", "SFB")]}, {"timeout": "10"}, {"fusion_bytes": True}]
+               {"overrides": [("fc1", "SFB")]}, {"timeout": "10"}, {"timeout": float("nan")},
+               {"timeout": float("inf")}, {"fusion_bytes": True}]
 
 
 def bad_options(rank: int, world_size: int) -> dict:

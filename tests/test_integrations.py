@@ -129,6 +129,17 @@ def test_lightning_pipe_sgd_resumes_exactly(cluster, tmp_path, first):
         assert_same(mine["params"], ref["params"], exact=True)
 
 
+def test_lightning_refuses_a_pipe_sgd_checkpoint_in_another_mode_saying_what_to_do(cluster, tmp_path):
+    """A delay=1 checkpoint resumed with delay=0 would drop the pending step: refused on every rank, naming
+    both delays and the two ways out (resume with delay=1, or delete the checkpoint's entry)."""
+    cut = str(tmp_path / "cut")
+    cluster.run(integration_workers.lightning_pipe_sgd_resume, cut, "first", timeout=180)
+    for outcome in cluster.run(integration_workers.lightning_pipe_sgd_resume, cut, "resume-bsp", timeout=180):
+        error = outcome["error"]
+        assert error is not None and "delay=1" in error and "delay=0" in error, error
+        assert "resume with delay=1" in error and "'poseidon_consistency'" in error, error
+
+
 def test_pytorch_lightning_takes_the_strategy_by_name(cluster, tmp_path):
     """Item 8: under the pytorch_lightning package name, strategy="poseidon" (registered when
     poseidon_torch.integrations.pytorch_lightning is imported) trains as lightning's own DDP does."""

@@ -29,10 +29,16 @@ def restore_in_flight_state(wrapper: PoseidonDDP, state: dict | None) -> None:
     """Load what :func:`in_flight_state` saved, before the first step of the resumed run. A pipelined
     run resumed from a checkpoint without it (saved by another mode, or by an older version) starts
     with an empty pipeline: its first k steps make no update; said with a warning."""
+    delay = wrapper.engine.consistency.delay if wrapper.engine is not None else 0
     if state is not None:
+        saved = state.get("delay") if isinstance(state, dict) else None
+        if saved != delay:
+            raise ValueError(f"this checkpoint holds Pipe-SGD's in-flight state of a run with delay={saved!r}, and this "
+                             f"PoseidonDDP has delay={delay}: resume with delay={saved!r}, or drop the {saved!r} pending "
+                             f"step(s) knowingly by deleting the checkpoint's '{CHECKPOINT_KEY}' entry (Lightning) or "
+                             f"its {FILE_NAME} file (HF Trainer)")
         wrapper.load_consistency_state_dict(state)
         return
-    delay = wrapper.engine.consistency.delay if wrapper.engine is not None else 0
     if delay:
         warnings.warn(f"PoseidonDDP: resumed from a checkpoint without Pipe-SGD's in-flight state (delay={delay}): the "
                       f"pipeline restarts empty, so the first {delay} step(s) make no update", stacklevel=3)
