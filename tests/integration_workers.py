@@ -306,11 +306,12 @@ def accelerate_train(rank: int, world_size: int, how: str) -> dict:
     PoseidonAccelerator says to a PoseidonDDP)."""
     launched_as(rank, world_size)
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, GradientState
 
     from poseidon_torch import PoseidonDDP
 
     AcceleratorState._reset_state(reset_partial_state=True)  # the Trainer runs before left their settings
+    GradientState._reset_state()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     raw = model
@@ -358,7 +359,7 @@ def accelerate_server_save_state(rank: int, world_size: int, root: str) -> dict:
     (accelerate calls the optimizer's ``state_dict()`` on every rank), the uninterrupted and the resumed
     parameters."""
     launched_as(rank, world_size)
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, GradientState
 
     from poseidon_torch.integrations.accelerate import PoseidonAccelerator
 
@@ -367,6 +368,7 @@ def accelerate_server_save_state(rank: int, world_size: int, root: str) -> dict:
 
     def prepared() -> tuple:
         AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()  # an earlier run's accumulation (sync_gradients False) would skip steps here
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
         accelerator = PoseidonAccelerator(cpu=True, server_optimizer=True, poseidon_options={"timeout": 60, "hybrid": False})

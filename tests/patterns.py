@@ -774,13 +774,14 @@ def bad_options(rank: int, world_size: int) -> dict:
 
 # ---- torch DDP's constructor arguments -------------------------------------------------------------------
 
-def ddp_arguments(rank: int, world_size: int) -> dict:
+def ddp_arguments(rank: int, world_size: int, forget_notes: bool = False) -> dict:
     """What torch DDP's arguments do here: each accepted one trains exactly (the hand average), the
     refused ones fail at once with the argument's name, the honoured ones act."""
     from poseidon_torch import compat
     from poseidon_torch.compat import NOT_NEEDED
 
-    compat._noted.clear()  # the notes are said once per process; this worker may have said them for an earlier test
+    if forget_notes:  # said once per process: this worker may have said them for an earlier test
+        compat._noted.clear()
     out: dict = {"refused": {}, "accepted": {}, "notes": []}
     # a device the module is not on (on the CPU any device id; on a GPU another index than its own)
     elsewhere = 0 if placement.DEVICE.type == "cpu" else placement.DEVICE.index + 1

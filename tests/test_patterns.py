@@ -263,7 +263,7 @@ def test_close_releases_hooks(cluster, through_wrapper):
 
 def test_torch_ddp_arguments_are_taken(cluster):
     """Code that builds torch DDP (positionally or by keyword) builds PoseidonDDP by changing the class."""
-    results = cluster.run(patterns.ddp_arguments, timeout=90)
+    results = cluster.run(patterns.ddp_arguments, True, timeout=90)
     for name in results[0]["expected_notes"]:  # the flags PoseidonDDP needs not: a note each, rank 0 only
         assert any(name in note for note in results[0]["notes"]), (name, results[0]["notes"])
     assert all(r["notes"] == [] for r in results[1:])
