@@ -195,7 +195,7 @@ class PoseidonDDP(nn.Module, Joinable):
         delay: Pipe-SGD's k (default 0: BSP). With k >= 1 a synced ``backward()`` returns without
             waiting for its sync, which runs on during the next steps; ``.grad`` then holds the average
             over the ranks of the gradients of k steps earlier (None for the first k steps: torch's
-            optimizers skip those). See ``consistency.py`` and the README's Pipe-SGD section.
+            optimizers skip those). See ``consistency.py`` and docs/pipe-sgd.md.
     """
 
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,

@@ -1,6 +1,6 @@
 """Lightning (the ``lightning`` package): ``Trainer(strategy=PoseidonStrategy(...))``, or
 ``strategy="poseidon"`` once this module is imported (Lightning finds strategies only in its own
-registry, which has no entry-point mechanism: see the README's Lightning section). The strategy's
+registry, which has no entry-point mechanism: see docs/integrations.md). The strategy's
 behaviour and invariants: ``_strategy.py``; ``pytorch_lightning.py`` is the same for the
 ``pytorch_lightning`` package name."""
 from __future__ import annotations
