@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import placement
@@ -140,6 +141,7 @@ def overlap(rank: int, world_size: int, delay: int, seconds: float, server: bool
     for step in range(4):
         opt.zero_grad()
         x, y = batch(spec, step, 2, world_size)
+        dist.barrier()  # the ranks start each step together: a loaded machine's skew is not waited for
         start = time.monotonic()
         out = wrapped(shard(x, rank, 2))
         forward_s.append(time.monotonic() - start)
