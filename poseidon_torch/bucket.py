@@ -24,13 +24,21 @@ CUDA events. Invariants:
   core (Python or native) and the paths share; the bucket's readiness countdown lives in the core;
 - a pass copies ``.grad`` into the flat buffer once (:meth:`Bucket.stage`), on the thread that makes
   the bucket ready, before its job is queued (see ``core.py``): no job ever reads ``.grad``, so what
-  the user does to ``.grad`` while jobs run cannot change the sync.
+  the user does to ``.grad`` while jobs run cannot change the sync;
+- a CUDA bucket staged through a host buffer (gloo) has a device copy of its gradients' part: a sync
+  that ends with every rank's average in the host buffer (:meth:`Bucket.read_flags`) uploads it there
+  on the job's stream, so whatever writes the averages (:meth:`Bucket.averages`) copies device to
+  device at the end of backward. Events order the three buffers' users: the next staging waits for
+  the upload to have read the host buffer (``uploaded``), the next upload for the last reader of the
+  device copy (``averages_read``), and the training stream for the job (``done``, recorded after
+  the upload).
 """
 from __future__ import annotations
 
 import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,13 +97,17 @@ class Bucket:
         self.outcome = ""  #: how its last sync went: "PS", "SFB", or "SFB->PS" (exactness fallback)
         self.missing: list[int] = []  #: positions staged without their zeros (see :meth:`stage`)
         #: CUDA: recorded on the training stream when the gradients are complete / on the side stream
-        #: after the sync job; with a host buffer also when the staging copies are done (`staged`) and
-        #: after the averages were copied back into ``.grad`` (`scattered`)
-        self.ready_event = self.done_event = self.staged_event = self.scattered_event = None
+        #: after the sync job; with a host buffer also when the staging copies are done (`staged`), when
+        #: the averages are on the device (`uploaded`) and after the last reader of them (`averages_read`)
+        self.ready_event = self.done_event = self.staged_event = None
+        self.uploaded_event = self.averages_read_event = None
+        self.device_averages: torch.Tensor | None = None  #: the host buffer's gradients, uploaded (staged CUDA)
         if self.device.type == "cuda":
             self.ready_event, self.done_event = torch.cuda.Event(), torch.cuda.Event()
             if self.flat.device != self.device:
-                self.staged_event, self.scattered_event = torch.cuda.Event(), torch.cuda.Event()
+                self.staged_event, self.uploaded_event = torch.cuda.Event(), torch.cuda.Event()
+                self.averages_read_event = torch.cuda.Event()
+                self.device_averages = torch.empty(self.grad_numel, dtype=self.dtype, device=self.device)
 
     @property
     def name(self) -> str:
@@ -130,8 +142,8 @@ class Bucket:
         listed in :attr:`missing` (:meth:`fill_missing` zeroes them if they are ever read: an SFB layer
         needs its ``.grad`` only when it falls back to PS)."""
         self.missing = []
-        if self.scattered_event is not None:  # the last averages must have left the host buffer first
-            self.scattered_event.synchronize()
+        if self.uploaded_event is not None:  # the last averages must have left the host buffer first
+            self.uploaded_event.synchronize()
         if shadow:
             self.flat.zero_()
             return
@@ -180,26 +192,46 @@ class Bucket:
 
     def read_flags(self) -> bool:
         """After an average (sync thread): which parameters some rank used; False (local gradients kept
-        as unsynced) when some rank aborted. Nothing is written into ``.grad`` here."""
+        as unsynced) when some rank aborted. Nothing is written into ``.grad`` here; a staged CUDA
+        bucket's averages are uploaded to the device on the calling thread's stream."""
         flags = self.flat[self.grad_numel:] > 0
         self.used_anywhere.copy_(flags[:-1])
         if flags[-1]:
             self.dirty |= self.seen
             return False
+        self.upload()
         return True
+
+    def upload(self) -> None:
+        """A staged CUDA bucket (no-op otherwise): copy the host buffer's gradients part (averages, or
+        the new values a server pulled) to the device copy, on the current stream, once the last
+        reader of the previous ones is done with it."""
+        if self.device_averages is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(self.averages_read_event)
+        self.device_averages.copy_(self.flat[:self.grad_numel], non_blocking=True)
+        self.uploaded_event.record(stream)
+
+    @contextmanager
+    def averages(self) -> Iterator[list[tuple[nn.Parameter, torch.Tensor]]]:
+        """After a sync: every parameter some rank used, with its average (or new value), on the
+        parameter's device. Read them inside the block, on the stream the block ends on."""
+        source = self.flat if self.device_averages is None else self.device_averages
+        yield [(p, value) for used, (p, value) in zip(self.used_anywhere.tolist(), self.views(source)) if used]
+        if self.averages_read_event is not None:
+            self.averages_read_event.record(torch.cuda.current_stream(self.device))
 
     def scatter(self) -> None:
         """Write the averages back into ``.grad`` of every parameter some rank used (training thread, at
         the end of a backward that was not aborted: so nothing of an aborted one lands after the
         user's ``zero_grad()``)."""
-        for used, (p, averaged) in zip(self.used_anywhere.tolist(), self.views()):
-            if not used:
-                continue
-            if p.grad is None:
-                p.grad = torch.empty_like(p)
-            p.grad.copy_(averaged, non_blocking=True)
-        if self.scattered_event is not None:
-            self.scattered_event.record(torch.cuda.current_stream(self.device))
+        with self.averages() as averages:
+            for p, _ in averages:
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+            if averages:
+                torch._foreach_copy_([p.grad for p, _ in averages], [value for _, value in averages])
         self.dirty &= ~self.used_anywhere.bool()
 
 

@@ -79,14 +79,13 @@ class HeldGrads:
         self.grads = grads
 
     def scatter(self, bucket: Bucket) -> None:
-        for used, (p, averaged) in zip(bucket.used_anywhere.tolist(), bucket.views()):
-            if not used:
-                continue
-            held = self.grads.get(id(p))
-            if held is None:
-                self.grads[id(p)] = averaged.clone()
-            else:
-                held.copy_(averaged)
+        with bucket.averages() as averages:
+            for p, averaged in averages:
+                held = self.grads.get(id(p))
+                if held is None:
+                    self.grads[id(p)] = averaged.clone()
+                else:
+                    held.copy_(averaged)
 
     def add(self, layer: FCLayer, grads: tuple[Tensor, ...]) -> None:
         for p, grad in zip(layer.params, grads):
@@ -334,8 +333,8 @@ class DelayedValues(BSP):
         return self._newest.get(id(param), param)
 
     def take_values(self, bucket: Bucket) -> None:
-        for used, (p, value) in zip(bucket.used_anywhere.tolist(), bucket.views()):
-            if used:
+        with bucket.averages() as values:
+            for p, value in values:
                 self._filling[p] = value.clone()
 
     def values_taken(self) -> None:

@@ -429,13 +429,13 @@ class SFBUpdatePath:
         sent = bucket.bytes_sent
         self.ps.pull(bucket, groups)
         bucket.bytes_sent = sent + self.ps.pull_bytes(bucket)
+        bucket.upload()  # the new values replace the average the SFB path left
         return True
 
 
 def apply_values(bucket: Bucket) -> None:
     """Copy the new values of the parameters some rank used into the parameters (training thread; the
     in-place copy bumps their version, so a graph that saved the old values refuses to backpropagate)."""
-    with torch.no_grad():
-        for used, (p, value) in zip(bucket.used_anywhere.tolist(), bucket.views()):
-            if used:
-                p.copy_(value)
+    with torch.no_grad(), bucket.averages() as values:
+        for p, value in values:
+            p.copy_(value)

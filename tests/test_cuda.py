@@ -40,6 +40,27 @@ def test_late_written_gradients_break_parity_when_the_copies_ignore_the_ready_ev
         assert_parity(results, spec, 2, cluster.world_size)
 
 
+def test_averages_uploaded_late_are_the_ones_written_back(cluster):
+    """The averages go back to the GPU on the job's side stream; here every upload starts ~10 ms late
+    there: ``.grad`` written back at the end of backward must still get them (the training stream waits
+    for the job's event, recorded after the upload), not the device copy's previous contents."""
+    spec = ModelSpec(conv_channels=(4,), widths=(16, 8), image=5)
+    results = cluster.run(workers.train_pair_group, spec, 3, 2, "gloo", "PS", False, False, "cuda", False, "ordered")
+    assert_parity(results, spec, 2, cluster.world_size)
+    assert all(result["uploads"] > 0 for result in results), [result["uploads"] for result in results]
+
+
+def test_averages_uploaded_late_break_parity_when_the_upload_is_not_ordered(cluster):
+    """The negative control of the test above: the late upload on a stream nothing waits for, so the
+    end of backward copies the device copy before the averages reach it, and parity must fail."""
+    spec = ModelSpec(conv_channels=(4,), widths=(16, 8), image=5)
+    results = cluster.run(workers.train_pair_group, spec, 3, 2, "gloo", "PS", False, False, "cuda", False,
+                          "unordered")
+    assert all(result["uploads"] > 0 for result in results), [result["uploads"] for result in results]
+    with pytest.raises(AssertionError):
+        assert_parity(results, spec, 2, cluster.world_size)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="NCCL needs one GPU per rank")
 def test_cuda_tensors_over_nccl_match(cluster):
     spec = ModelSpec(widths=(16, 8))

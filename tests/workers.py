@@ -344,13 +344,15 @@ def busy_backward(model: torch.nn.Module) -> None:
 
 def train_pair_group(rank: int, world_size: int, spec: ModelSpec, steps: int, size: int, backend: str,
                      force: str, busy: bool = False, alone: bool = False, device: str = "cuda",
-                     unordered: bool = False) -> dict:
+                     unordered: bool = False, late_uploads: str = "") -> dict:
     """Like ``train_pair`` in a process group of ``backend`` made for the call, on ``device`` (CUDA: rank
     r on GPU r mod count; "gloo" stages through pinned host buffers, "nccl" needs one GPU per rank).
     ``busy``: every layer's gradient is written ~10 ms after its hook fired (:func:`busy_backward`).
     ``alone``: every rank trains in a group of its own (a world of one: NCCL with ranks sharing a GPU),
     on the whole batch. ``unordered``: PoseidonDDP's side streams ignore the ready events (the negative
-    control of the CUDA ordering tests). Also returns which paths ran."""
+    control of the CUDA ordering tests). ``late_uploads``: every upload of the averages to the GPU starts
+    ~10 ms late, on the job's stream ("ordered") or on a stream of its own that nothing waits for
+    ("unordered", the negative control); the uploads are counted. Also returns which paths ran."""
     import torch.distributed as dist
 
     if device == "cuda":
@@ -372,16 +374,44 @@ def train_pair_group(rank: int, world_size: int, spec: ModelSpec, steps: int, si
             ordered = wrapped.engine._device_stream
             wrapped.engine._device_stream = lambda after, channel: ordered(torch.cuda.Event(), channel)
         opt = torch.optim.SGD(wrapped.parameters(), **OPTIMIZER)
-        for step in range(steps):
-            x, y = batch(spec, step, size, world_size)
-            opt.zero_grad()
-            F.mse_loss(wrapped(shard(x, rank, size).to(device)), shard(y, rank, size).to(device)).backward()
-            opt.step()
+        with _late_uploads(late_uploads if wrapper == "poseidon" else "") as uploads:
+            for step in range(steps):
+                x, y = batch(spec, step, size, world_size)
+                opt.zero_grad()
+                F.mse_loss(wrapped(shard(x, rank, size).to(device)), shard(y, rank, size).to(device)).backward()
+                opt.step()
         out[wrapper] = {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
         if wrapper == "poseidon":
             out["paths"] = dict(wrapped.comm_stats.outcome_by_bucket)
+            out["uploads"] = uploads[0]
             wrapped.close()
     return out
+
+
+@contextlib.contextmanager
+def _late_uploads(how: str):
+    """Within the block, every :meth:`Bucket.upload` of a staged CUDA bucket first keeps the GPU busy
+    ~10 ms, on the job's stream ("ordered") or on a fresh stream ("unordered"); "" changes nothing.
+    Yields a one-element list: the uploads so far."""
+    from poseidon_torch.bucket import Bucket
+
+    uploads, original = [0], Bucket.upload
+
+    def late(bucket: Bucket) -> None:
+        if bucket.device_averages is None:
+            return
+        uploads[0] += 1
+        stream = torch.cuda.Stream() if how == "unordered" else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(_BusyBackward.CYCLES)
+            original(bucket)
+
+    if how:
+        Bucket.upload = late
+    try:
+        yield uploads
+    finally:
+        Bucket.upload = original
 
 
 def profiled_step(rank: int, world_size: int) -> dict:
@@ -811,6 +841,9 @@ def fc_layers_watched_after_learning(rank: int, world_size: int) -> dict[str, tu
     wrapped.close()
     return seen
 
+
+
+CPU_GEMM_FLOPS = 3e10  #: about what the GEMM probe measures on one core of this project's CI machines
 
 
 def _train_with_link(rank: int, world_size: int, spec: ModelSpec, link, plan, steps: int = 4, size: int = 2) -> dict:
