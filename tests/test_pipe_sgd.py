@@ -113,6 +113,9 @@ def test_the_next_forward_does_not_wait_for_the_last_sync(cluster):
         assert max(result["forward_s"][1:]) < 0.2 and min(result["backward_s"][1:]) > 0.2, (rank, result)
 
 
+GLOO_LOOP_THREADS = {"gloo_tcp_loop", "pt_gloo_runloop"}  #: gloo's transport threads (torch 2.13, 2.11)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 @pytest.mark.parametrize("engine", ["native", "python"])
 @pytest.mark.parametrize("delay", [0, 1])
@@ -124,7 +127,8 @@ def test_the_sync_threads_yield_the_cores_to_the_training_thread_only_under_pipe
         training_before, training_after = result["training"]
         assert training_after == training_before, (rank, result)
         names = [name for name, _ in result["started"].values()]
-        assert names.count("gloo_tcp_loop") >= 4, (rank, result)  # control, data, a channel's up and down
+        loops = sum(name in GLOO_LOOP_THREADS for name in names)
+        assert loops >= 4, (rank, result)  # control, data, a channel's up and down
         wanted = min(training_before + 10, 19) if delay else training_before
         assert {nice for _, nice in result["started"].values()} == {wanted}, (rank, result)
 

@@ -865,18 +865,22 @@ def _train_with_link(rank: int, world_size: int, spec: ModelSpec, link, plan, st
 
 def runs_given_a_recorded_plan(rank: int, world_size: int, record_path: str) -> dict:
     """Runs whose timing probe sees a slow link (SFB wins) and a fast one (PS wins), without a plan and
-    with the slow run's recorded plan given back, as the Plan object and as the file it saved."""
+    with the slow run's recorded plan given back, as the Plan object and as the file it saved. The GEMM
+    probe reads a CPU's rate on any device (on a GPU SFB's compute is so cheap that it wins on both)."""
+    from unittest import mock
+
     from poseidon_torch import LinkModel
 
     spec = ModelSpec(in_features=64, widths=(64,), out_features=4)
     slow, fast = slow_link(), LinkModel.from_gbps(400.0)
-    recorded = _train_with_link(rank, world_size, spec, slow, None)
-    if rank == 0:
-        recorded["plan"].save(record_path)
-    torch.distributed.barrier()
-    return {"recorded": recorded, "fast": _train_with_link(rank, world_size, spec, fast, None),
-            "fast, plan": _train_with_link(rank, world_size, spec, fast, recorded["plan"]),
-            "slow, plan file": _train_with_link(rank, world_size, spec, slow, record_path)}
+    with mock.patch("poseidon_torch.ddp.probe_gemm_flops", return_value=CPU_GEMM_FLOPS):
+        recorded = _train_with_link(rank, world_size, spec, slow, None)
+        if rank == 0:
+            recorded["plan"].save(record_path)
+        torch.distributed.barrier()
+        return {"recorded": recorded, "fast": _train_with_link(rank, world_size, spec, fast, None),
+                "fast, plan": _train_with_link(rank, world_size, spec, fast, recorded["plan"]),
+                "slow, plan file": _train_with_link(rank, world_size, spec, slow, record_path)}
 
 
 def unmaterialised_model(rank: int, world_size: int, kind: str) -> dict:
