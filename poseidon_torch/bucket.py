@@ -29,9 +29,11 @@ CUDA events. Invariants:
   that ends with every rank's average in the host buffer (:meth:`Bucket.read_flags`) uploads it there
   on the job's stream, so whatever writes the averages (:meth:`Bucket.averages`) copies device to
   device at the end of backward. Events order the three buffers' users: the next staging waits for
-  the upload to have read the host buffer (``uploaded``), the next upload for the last reader of the
-  device copy (``averages_read``), and the training stream for the job (``done``, recorded after
-  the upload).
+  the upload to have read the host buffer (``uploaded``), every reader of the device copy for the
+  upload too, and the next upload for the last reader (``averages_read``), each on the current stream
+  of the bucket's device (not of the thread's current device: a rank that never called
+  ``torch.cuda.set_device`` reads on another device's stream); the training stream waits for the job
+  (``done``, recorded after the upload).
 """
 from __future__ import annotations
 
@@ -216,11 +218,19 @@ class Bucket:
     @contextmanager
     def averages(self) -> Iterator[list[tuple[nn.Parameter, torch.Tensor]]]:
         """After a sync: every parameter some rank used, with its average (or new value), on the
-        parameter's device. Read them inside the block, on the stream the block ends on."""
-        source = self.flat if self.device_averages is None else self.device_averages
-        yield [(p, value) for used, (p, value) in zip(self.used_anywhere.tolist(), self.views(source)) if used]
-        if self.averages_read_event is not None:
-            self.averages_read_event.record(torch.cuda.current_stream(self.device))
+        parameter's device. Read them inside the block, on the current stream of the bucket's device
+        (the stream its kernels run on, whatever the thread's current device): a staged CUDA bucket's
+        device copy is read there after its upload, and the next upload waits for the block's end
+        there, also when the block raises."""
+        source = self.flat
+        if self.device_averages is not None:
+            source = self.device_averages
+            torch.cuda.current_stream(self.device).wait_event(self.uploaded_event)
+        try:
+            yield [(p, value) for used, (p, value) in zip(self.used_anywhere.tolist(), self.views(source)) if used]
+        finally:
+            if self.averages_read_event is not None:
+                self.averages_read_event.record(torch.cuda.current_stream(self.device))
 
     def scatter(self) -> None:
         """Write the averages back into ``.grad`` of every parameter some rank used (training thread, at

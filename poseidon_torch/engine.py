@@ -580,7 +580,7 @@ class Engine:
         stats, tracing."""
         if self._streams is not None:
             for bucket in self.buckets:
-                torch.cuda.current_stream().wait_event(bucket.done_event)
+                torch.cuda.current_stream(bucket.device).wait_event(bucket.done_event)
         start, traced = time.monotonic_ns(), self._traced(p)
         self._write_averages(p, facts, grads)
         if traced is not None:
@@ -742,7 +742,7 @@ class Engine:
                     self.failure = error
                     raise error
         if self._streams is not None:
-            torch.cuda.current_stream().wait_event(bucket.done_event)
+            torch.cuda.current_stream(bucket.device).wait_event(bucket.done_event)
         self.consistency.take_values(bucket)
 
     def drain(self, output: object = None) -> None:
