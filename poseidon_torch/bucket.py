@@ -232,6 +232,14 @@ class Bucket:
             if self.averages_read_event is not None:
                 self.averages_read_event.record(torch.cuda.current_stream(self.device))
 
+    def release_device_copy(self) -> None:
+        """The engine closes with every job done: the device copy's memory goes back to the allocator
+        now, once its last upload has landed (the training stream never waited for an unsettled
+        pass's), not when a garbage collection finds the closed engine."""
+        if self.device_averages is not None:
+            self.uploaded_event.synchronize()
+            self.device_averages = None
+
     def scatter(self) -> None:
         """Write the averages back into ``.grad`` of every parameter some rank used (training thread, at
         the end of a backward that was not aborted: so nothing of an aborted one lands after the

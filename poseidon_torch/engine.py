@@ -1015,6 +1015,8 @@ class Engine:
             if self.failure is None:  # a failed engine has said so already, and its jobs may never end
                 self.drain()
                 self._record_unsettled()
+                for bucket in self.buckets:
+                    bucket.release_device_copy()
         finally:
             self.core.close()
             if self.server is not None:

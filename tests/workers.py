@@ -414,6 +414,38 @@ def _late_uploads(how: str):
         Bucket.upload = original
 
 
+class RecordingEvent:
+    """A stand-in for a CUDA event that logs what is done with it (CPU tests of the stream order of a
+    staged CUDA bucket's device copy): ``("record", name, device)`` and ``("synchronize", name)``."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def record(self, stream) -> None:
+        self.log.append(("record", self.name, stream.device))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.name))
+
+
+def device_copies_after_close(rank: int, world_size: int) -> dict:
+    """One synced step on the CPU, then every bucket gets a stand-in device copy and upload event (what
+    a CUDA bucket staged through host memory holds); then ``close()``: which buckets still hold their
+    copy, and which uploads were waited for."""
+    spec = ModelSpec(widths=(16, 8))
+    model = build(spec, seed=spec.seed)
+    wrapped = PoseidonDDP(model, timeout=60, hybrid=False, fusion_bytes=0)
+    x, y = batch(spec, 0, 2, world_size)
+    F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
+    buckets, log = wrapped.engine.buckets, []
+    for bucket in buckets:
+        bucket.device_averages = torch.zeros(bucket.grad_numel)
+        bucket.uploaded_event = RecordingEvent(bucket.name, log)
+    wrapped.close()
+    return {"buckets": [b.name for b in buckets], "held": [b.name for b in buckets if b.device_averages is not None],
+            "waited": [name for what, name in log if what == "synchronize"]}
+
+
 def profiled_step(rank: int, world_size: int) -> dict:
     """One step under the user's torch.profiler (all threads): the sync ranges must show."""
     model = build(ModelSpec(in_features=32, widths=(32,), out_features=4), seed=0)
