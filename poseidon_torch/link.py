@@ -13,6 +13,7 @@ device.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import time
 import warnings
@@ -34,6 +35,15 @@ LATENCY_RANGE_S = (0.0, 0.05)
 #: Used when the fit is unusable (and said so in a warning).
 DEFAULT_BANDWIDTH_GBPS = 10.0
 DEFAULT_LATENCY_US = 50.0
+_RATE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_rate(rate: str) -> int:
+    """A tc rate such as ``1gbit`` or ``100mbit`` in bits per second (decimal units, like tc)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)bit", rate.strip().lower())
+    if not match:
+        raise ValueError(f"bad rate {rate!r}: expected e.g. 1gbit, 10gbit, 500mbit")
+    return int(float(match.group(1)) * _RATE_UNITS[match.group(2)])
 
 
 @dataclass(frozen=True)

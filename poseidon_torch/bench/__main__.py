@@ -67,6 +67,7 @@ from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure,
     fresh_dir, rank_env, run_placed, run_ranks, threads_per_rank, write_report
 from poseidon_torch.bench.netns import parse_delay, parse_rate
 from poseidon_torch.bench.worker import ALONE_MODES, DEFAULT_MODES, MODES, POSEIDON_MODES, add_device_arguments
+from poseidon_torch.extras import require
 from poseidon_torch.bench.workloads import MAIN_WORKLOADS, WORKLOADS
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -241,9 +242,7 @@ def _state_mb(result: dict) -> float | None:
 
 def plot(report: dict, path: Path) -> None:
     """Grouped bars per workload: samples/s (with the lower bound's throughput) and MB per iteration per host."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "bench", "the benchmark plot").use("Agg")
     from matplotlib.figure import Figure
 
     workloads = list(report["workloads"])

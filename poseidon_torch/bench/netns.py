@@ -45,26 +45,18 @@ import time
 from typing import Iterator
 
 from poseidon_torch.bench.scoped import Scoped
+from poseidon_torch.link import parse_rate
 
 PREFIX = "ptb-"
 SUBNET = "10.213.0"
 HOST_IFACE = "veth0"
 BRIDGE = "br0"
-_RATE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 ETHERNET_HEADER = 14  #: bytes a frame adds to the MTU on a veth (no FCS)
 _BURST_SECONDS, _QUEUE_SECONDS, _MIN_QUEUE_BYTES = 1e-3, 10e-3, 256 * 1024
 
 
 class NetnsUnavailable(RuntimeError):
     """Network namespaces cannot be created here (not root, no CAP_NET_ADMIN, no ``ip``)."""
-
-
-def parse_rate(rate: str) -> int:
-    """A tc rate such as ``1gbit`` or ``100mbit`` in bits per second (decimal units, like tc)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)bit", rate.strip().lower())
-    if not match:
-        raise ValueError(f"bad rate {rate!r}: expected e.g. 1gbit, 10gbit, 500mbit")
-    return int(float(match.group(1)) * _RATE_UNITS[match.group(2)])
 
 
 def parse_delay(delay: str) -> str:

@@ -19,9 +19,9 @@ import os
 import sys
 from dataclasses import replace
 
-from ..bench.netns import parse_rate
 from ..coordinator import format_bytes
-from ..link import LinkModel
+from ..extras import MissingExtra
+from ..link import LinkModel, parse_rate
 from ..trace.files import TraceFormatError
 from . import paper
 from .predict import Row, predict
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         print(_run(args))
-    except (OSError, ValueError, TraceFormatError) as exc:
+    except (OSError, ValueError, TraceFormatError, MissingExtra) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     return 0

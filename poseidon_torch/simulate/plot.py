@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import matplotlib
+from ..extras import require
 
+matplotlib = require("matplotlib", "plot", "the speed-up plot (poseidon-simulate --plot)")
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 

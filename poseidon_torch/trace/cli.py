@@ -6,7 +6,7 @@ Usage::
     poseidon-trace plot TRACE -o timeline.png [--iteration N]
     poseidon-trace merge -o trace_merged.json trace_rank0.json trace_rank1.json ...
 
-``summary`` needs no matplotlib; ``plot`` imports it. Errors (missing file, malformed trace, unrecorded
+``summary`` needs no matplotlib; ``plot`` imports it (the ``[plot]`` extra: without it, an error naming it). Errors (missing file, malformed trace, unrecorded
 iteration) print ``poseidon-trace: error: ...`` on stderr and exit with status 2.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 
+from ..extras import MissingExtra
 from .files import TraceFormatError, load_spans, merge_traces
 from .summary import format_summary, summarize
 
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         args.command(args)
-    except TraceFormatError as exc:
+    except (TraceFormatError, MissingExtra) as exc:
         return _fail(str(exc))
     except OSError as exc:
         return _fail(f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from ..extras import require
 
-from .files import PathLike, ordered_lanes
-from .spans import COMM_KINDS, Span
-from .summary import NS_PER_MS, iterations_of
+require("matplotlib", "plot", "the trace timeline plot (poseidon-trace plot)")
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from .files import PathLike, ordered_lanes  # noqa: E402
+from .spans import COMM_KINDS, Span  # noqa: E402
+from .summary import NS_PER_MS, iterations_of  # noqa: E402
 
 #: Bar style per drawn span: (legend label, face colour or None for an outline, bar height in lane units).
 STYLES = {

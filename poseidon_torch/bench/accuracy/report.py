@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from poseidon_torch.extras import require
+
 REFERENCE_MODE = "torch-ddp"
 #: the modes every speed-up is stated over: torch DDP, and one host training alone
 SPEEDUP_REFERENCES = (REFERENCE_MODE, "one-host")
@@ -124,9 +126,7 @@ def table(report: dict) -> str:
 
 def plot(report: dict, path: Path) -> None:
     """Two panels, one curve per mode: the metric against training seconds, and against steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "bench", "the accuracy benchmark's plot").use("Agg")
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 4.2), layout="constrained")

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from poseidon_torch.bench.workloads import GPTLike
+from poseidon_torch.extras import require
 
 MODEL_SEED = 2017
 SPLIT_SEED = 1701
@@ -180,12 +181,7 @@ class DigitsCNN(nn.Module):
 
 def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's bundled digits as (images N x 1 x 8 x 8 in [0, 1], labels N)."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:
-        raise RuntimeError("the digits task needs scikit-learn (a dependency of poseidon-torch: "
-                           "pip install --no-build-isolation -e . installs it)") from exc
-    digits = load_digits()
+    digits = require("sklearn.datasets", "bench", "the digits task").load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     return images, torch.tensor(digits.target, dtype=torch.int64)
 
