@@ -22,7 +22,7 @@ from .engine import CommStats
 from .link import LinkModel
 from .replicas import ModelMismatchError
 from .optimizer import ServerOptimizer
-from .sfb import register_fc
+from .fc import register_fc
 
 __all__ = ["PoseidonDDP", "ServerOptimizer", "register_fc", "LinkModel", "Plan", "SyncError", "SyncTimeout",
            "ModelMismatchError", "CommStats"]

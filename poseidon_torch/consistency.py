@@ -39,26 +39,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from .bucket import Bucket
-from .kvstore import PSPath
+from .fc import FCLayer
+from .paths import GradWriter
+from .paths.ps import PSPath
 from .pools import Collectives
-from .server import SFBUpdatePath, Server, ServerPath, apply_values
-from .sfb import FCLayer, SFBPath
-
-
-class GradWriter(Protocol):
-    """Where a closing pass writes its averages."""
-
-    def scatter(self, bucket: Bucket) -> None:
-        """The averages in ``bucket``'s flat buffer, for every parameter some rank used."""
-
-    def add(self, layer: FCLayer, grads: tuple[Tensor, ...]) -> None:
-        """An SFB average, added to what the pass's ``.grad`` held."""
+from .server import Server, apply_values
 
 
 class LiveGrads:
@@ -118,12 +108,10 @@ class BSP:
     #: engine's ``fusion_bytes`` when smaller)
     fixed_fusion_bytes: int | None = None
 
-    def server_for(self, facade, ps: PSPath, sfb: SFBPath, control: Collectives,
-                   timeout: float) -> tuple[Server, ServerPath, SFBUpdatePath]:
-        """Parameter-server mode: the shards, the job of a bucket on the PS path and of an FC layer on
-        SFB (the update at the owners of their chunks, new values pulled)."""
-        server = Server(facade, self.value_source)
-        return server, ServerPath(ps, server), SFBUpdatePath(sfb, ps, server)
+    def server_for(self, facade, kv: PSPath, control: Collectives, timeout: float) -> tuple[Server, None]:
+        """Parameter-server mode: the shards over ``kv``'s chunks (every path's job gets the update at the
+        owners, ``paths/update.py``), and no job of the policy's own."""
+        return Server(facade, self.value_source), None
 
     def take_values(self, bucket: Bucket) -> None:
         apply_values(bucket)

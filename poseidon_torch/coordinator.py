@@ -1,18 +1,21 @@
-"""The coordinator: per FC layer, PS or SFB for the next pass, from facts every rank shares.
+"""The coordinator: per layer, the path of the next pass, from facts every rank shares.
 
 At the end of every synced backward the ranks all-gather a small vector of *facts* (the pass's
 aborted flag, which buckets got a gradient late, and per FC layer its rows K this round and its sticky
-flags, see :mod:`~poseidon_torch.sfb`). From them every rank computes the same plan for the next pass:
-an FC layer takes SFB when it has a bucket of its own, no rank raised a sticky flag, and the cost model
-predicts SFB cheaper than PS at the largest K (or an override forces it). The first pass runs on PS
-everywhere: it is when the sticky facts are learned.
+flags, see :mod:`~poseidon_torch.fc`). From them every rank computes the same plan for the next pass: a
+layer alone in its bucket leaves the default path when an override forces another one, or, for an FC
+layer no rank raised a sticky flag on, when a path chosen by cost (``Path.by_cost``) is predicted
+cheaper at the largest K. The first pass runs every layer on the default path: it is when the sticky
+facts are learned.
 
-Cost model: predicted seconds per pass on this implementation's traffic (one byte formula per path,
-shared with the stats and the benchmark): PS ``link.seconds(ps_bytes_per_rank, 2(P-1) rounds)``; SFB
-``link.seconds(sfb_bytes_per_rank, P-1 ring steps)`` plus its rebuild GEMM, ``2 M (P K) N`` flops at
-the measured rate. The choice charges PS only its bytes (on PS a layer can share a bucket, and its
-messages, with its neighbours; on SFB it is a job of its own). Invariant: SFB is only ever chosen for a
-layer that can take it exactly.
+Cost model: every registered path predicts its bytes per rank and seconds per pass on this
+implementation's traffic (``Path.predict``: the formulas the stats, the simulator and the benchmark
+share). The choice charges the default path only its bytes while the buckets are not learned (on it a
+layer can share a bucket, and its messages, with its neighbours; on a path of its own it is a job of its
+own), and its whole cost once they are. With ``pull_values`` (a mode that updates at the owners) a path
+that does not reduce at the owners is charged the owners' pull of the new values too. Invariants: a
+factor path is only ever chosen for a layer that can take it exactly; the plan depends only on facts
+every rank shares.
 """
 from __future__ import annotations
 
@@ -26,13 +29,10 @@ import torch
 from torch import nn
 
 from .bucket import Bucket, find_layers
-from .kvstore import ps_bytes_per_rank, ps_messages
+from .fc import STICKY_NAMES, FCLayer, fc_eligible
 from .link import LinkModel
-from .sfb import STICKY_NAMES, FCLayer, fc_eligible, sfb_bytes_per_rank, sfb_messages
-
-PS = "PS"
-SFB = "SFB"
-PATHS = (PS, SFB)
+from .paths import BucketCost, FCCost, Path, Paths, Prediction
+from .paths import names as path_names
 
 
 @dataclass(frozen=True)
@@ -50,95 +50,86 @@ class PassFacts:
         return bool(self.aborted_ranks)
 
 
-def predict_ps(nbytes: float, world_size: int, link: LinkModel) -> tuple[float, float]:
-    """(bytes per rank, seconds) of one PS sync of a flat buffer of ``nbytes``."""
-    sent = ps_bytes_per_rank(nbytes, world_size)
-    return sent, link.seconds(sent, ps_messages(world_size))
-
-
-def predict_sfb(k: int, m: int, n: int, element_size: int, world_size: int, link: LinkModel,
-                gemm_flops: float) -> tuple[float, float]:
-    """(bytes per rank, seconds) of one SFB sync at K rows per rank: the all-gather and the rebuild."""
-    sent = sfb_bytes_per_rank(k, m, n, world_size, element_size)
-    return sent, link.seconds(sent, sfb_messages(world_size)) + sfb_rebuild_seconds(k, m, n, world_size, gemm_flops)
-
-
-def sfb_rebuild_seconds(k: int, m: int, n: int, world_size: int, gemm_flops: float) -> float:
-    """SFB's rebuild of the gradient from every rank's factors: a GEMM of M x PK x N."""
-    return 2.0 * m * (world_size * k) * n / gemm_flops
-
-
 class Coordinator:
-    """Owns the plan: which FC layers are committed to SFB, and each bucket's path this pass."""
+    """Owns the plan: which layers leave the default path, and each bucket's path this pass."""
 
     def __init__(self, fc: Mapping[str, FCLayer], world_size: int, link: LinkModel, gemm_flops: float | None,
-                 overrides: Mapping[str, str] | None = None) -> None:
+                 overrides: Mapping[str, str] | None = None, paths: Mapping[str, Path] | None = None) -> None:
         self.fc = dict(sorted(fc.items()))
         self.world_size, self.link, self.gemm_flops = world_size, link, gemm_flops
+        #: the paths it predicts with (its own copy: a path an engine's test wraps does not change the plan)
+        self.paths = Paths(paths if paths is not None else Paths.for_costing())
+        self.default = next(iter(self.paths))  #: the default path's name
         self.overrides = dict(overrides or {})
         self.k_max = {name: 0 for name in self.fc}
         #: per FC layer, its largest K in the last pass it was watched (alone in its bucket): what the
         #: trace's layout tells the simulator of layers later fused with others
         self.k_known: dict[str, int] = {}
         self.sticky = {name: 0 for name in self.fc}
-        self.sfb: set[str] = set()   #: layers on SFB for the next pass
+        self.chosen: dict[str, str] = {}  #: layers off the default path for the next pass, and their path
         self.solo: set[str] = set()  #: FC layers that have a bucket of their own
         self.learned = False         #: the buckets are learned (fixed from now on)
         self.passes = 0              #: synced passes observed
-        #: parameter-server mode: an SFB layer's owners update it, and its new values are pulled
+        #: a mode that updates at the owners: a path that does not reduce there is charged their pull
         self.pull_values = False
         self._warned: set[str] = set()
 
     def check_overrides(self, layer_names: Sequence[str], fc_names: Collection[str]) -> None:
-        """Refuse overrides that name no layer, no path, or SFB for a layer that is not an FC layer of its
-        own (``fc_names``: those that could take SFB, at any world size)."""
+        """Refuse overrides that name no layer, no registered path, or a factor path for a layer that is not
+        an FC layer of its own (``fc_names``: those that could take one, at any world size)."""
         for name, path in self.overrides.items():
             if name not in layer_names:
                 raise ValueError(f"an override or plan names {name!r}, which is not a layer: layers are the modules that own "
                                  "trainable parameters (a parameter shared by several modules belongs to the first "
                                  f"that registers it); layers: {sorted(layer_names)}")
-            if path not in PATHS:
-                raise ValueError(f"override for layer {name!r} must be one of {PATHS}, got {path!r}")
-            if path == SFB and name not in fc_names:
-                raise ValueError(f"cannot force SFB on layer {name!r}: it is not an FC layer of its own "
+            if path not in self.paths:
+                raise ValueError(f"override for layer {name!r} must be one of {tuple(self.paths)}, got {path!r}")
+            if self.paths[path].factors and name not in fc_names:
+                raise ValueError(f"cannot force {path} on layer {name!r}: it is not an FC layer of its own "
                                  "(see poseidon_torch.register_fc)")
-        if self.world_size == 1:  # nothing to gather: a script's SFB override for P ranks means PS here
-            self.overrides = {name: PS if path == SFB else path for name, path in self.overrides.items()}
+        if self.world_size == 1:  # nothing to gather: a script's factor override for P ranks means the default
+            self.overrides = {name: self.default if self.paths[path].factors else path
+                              for name, path in self.overrides.items()}
 
-    def only_ps(self) -> None:
-        """Every layer on the PS path from now on (ranks on their own clocks cannot all-gather factors)."""
-        forced = sorted(name for name, path in self.overrides.items() if path == SFB)
-        if forced:
-            raise ValueError(f"overrides force SFB on {forced}, which needs every rank at the same step; "
-                             "a ServerOptimizer with staleness runs every layer on the PS path")
-        self.overrides.update({name: PS for name in self.fc})
-        self.sfb = set()
+    def default_only(self) -> None:
+        """Every layer on the default path from now on (ranks on their own clocks take no common step)."""
+        self.overrides = {name: self.default for name in (*self.fc, *self.overrides)}
+        self.chosen = {}
 
     def buckets_changed(self, solo: set[str], learned: bool) -> None:
         """The engine installed new buckets: ``solo`` FC layers have one of their own."""
         self.solo, self.learned = solo, learned
 
     def wanted_solo(self) -> set[str]:
-        """FC layers that should get a bucket of their own: on SFB, or forced onto it; before the first
-        pass, every FC layer not forced onto PS, so each is watched (its K learned) before the buckets
-        are learned (a layer fused with a neighbour from the start would never be considered for SFB)."""
+        """Layers that should get a bucket of their own: off the default path, or forced off it; before the
+        first pass also every FC layer not forced onto the default path, so each is watched (its K learned)
+        before the buckets are learned (a layer fused with a neighbour from the start would never be
+        considered for a factor path)."""
+        forced = {name for name, path in self.overrides.items() if path != self.default}
         if not self.passes:
-            return {n for n in self.fc if self.overrides.get(n) != PS}
-        forced = {n for n, p in self.overrides.items() if p == SFB and not self.sticky[n]}
-        return self.sfb | forced
+            return {name for name in self.fc if self.overrides.get(name) != self.default} | forced
+        return set(self.chosen) | {name for name in forced if not self._barred(name, self.overrides[name])}
+
+    def on(self, path: str) -> set[str]:
+        """The layers on ``path`` in the next pass (besides the default path's)."""
+        return {name for name, chosen in self.chosen.items() if chosen == path}
 
     def commits(self, name: str) -> bool:
-        """Whether the layer's calls in the next round are detached (it syncs through SFB)."""
-        return name in self.sfb
+        """Whether the layer's calls in the next round are detached (it syncs from its factors)."""
+        path = self.chosen.get(name)
+        return path is not None and self.paths[path].factors
 
     def path_of(self, bucket: Bucket, shadow: bool = False) -> str:
-        """SFB for an FC layer on SFB whose round of forwards was committed to it (a retained graph
-        from before the plan changed goes through PS). A joined rank's shadow pass ran no forward: it
-        follows the plan, as the ranks that did commit their calls to it."""
-        layer = bucket.fc
-        if layer is None or layer.name not in self.sfb:
-            return PS
-        return SFB if shadow or layer.commit else PS
+        """The path of ``bucket`` this pass: its layer's (alone in the bucket) in the plan; a factor path
+        only where the layer's round of forwards was committed to it (a retained graph from before the plan
+        changed goes through the default path). A joined rank's shadow pass ran no forward: it follows the
+        plan, as the ranks that did commit their calls to it."""
+        path = self.chosen.get(bucket.layers[0].name) if len(bucket.layers) == 1 else None
+        if path is None:
+            return self.default
+        if self.paths[path].factors and not (bucket.fc is not None and (shadow or bucket.fc.commit)):
+            return self.default
+        return path
 
     def k_pad(self, bucket: Bucket) -> int:
         return self.k_max[bucket.fc.name]
@@ -169,43 +160,62 @@ class Coordinator:
                 self.sticky[name] |= flags
         if not aborted_ranks:
             self.passes += 1
-            self.sfb = {name for name in self.fc if self._chooses_sfb(name)}
+            self.chosen = self._plan()
         return PassFacts(aborted_ranks, late, late_ranks, syncing)
 
-    def _chooses_sfb(self, name: str) -> bool:
+    def _plan(self) -> dict[str, str]:
+        """Every layer's path off the default one: as forced, or chosen by cost (FC layers)."""
+        chosen = {name: path for name, path in self.overrides.items()
+                  if path != self.default and not self.paths[path].factors}
+        for name in self.fc:
+            path = chosen.get(name) or self._choose(name)
+            if path is not None:
+                chosen[name] = path
+        return chosen
+
+    def _barred(self, name: str, path: str) -> bool:
+        """A sticky fact keeps FC layer ``name`` off factor paths for good."""
+        return self.paths[path].factors and bool(self.sticky.get(name))
+
+    def _choose(self, name: str) -> str | None:
+        """FC layer ``name``'s path off the default one for the next pass, or None."""
         forced = self.overrides.get(name)
         if self.sticky[name]:
-            if forced == SFB and name not in self._warned:
+            if forced is not None and self.paths[forced].factors and name not in self._warned:
                 self._warned.add(name)
                 reasons = ", ".join(text for bit, text in STICKY_NAMES.items() if self.sticky[name] & bit)
-                warnings.warn(f"PoseidonDDP: layer {name!r} stays on the PS path despite overrides={{'{name}': "
-                              f"'SFB'}}: SFB would not be exact ({reasons})", stacklevel=2)
-            return False
-        if name not in self.solo or forced == PS:
-            return False
-        if forced == SFB:
-            return True
+                warnings.warn(f"PoseidonDDP: layer {name!r} stays on the {self.default} path despite overrides="
+                              f"{{'{name}': '{forced}'}}: {forced} would not be exact ({reasons})", stacklevel=2)
+            return None
+        if name not in self.solo or forced == self.default:
+            return None
+        if forced is not None:
+            return forced
         layer = self.fc[name]
         nbytes = sum(p.numel() for p in layer.params) * layer.weight.element_size()
-        # before the buckets are learned, a layer on PS may still join its neighbours' bucket and share
-        # their messages: count only its bytes; once they are learned (fixed), a layer alone in its
-        # bucket pays the latency on either path
-        ps_bytes, ps_seconds = predict_ps(nbytes, self.world_size, self.link)
-        if not self.learned:
-            ps_seconds = self.link.beta_s_per_byte * ps_bytes
-        _, sfb_seconds = self._predict_sfb(layer)
-        return sfb_seconds < ps_seconds
+        # before the buckets are learned, a layer on the default path may still join its neighbours' bucket
+        # and share their messages: count only its bytes; once they are learned (fixed), a layer alone in its
+        # bucket pays the latency on any path
+        default = self._predict(self.paths[self.default], nbytes, layer)
+        best, best_seconds = None, default.seconds if self.learned else self.link.beta_s_per_byte * default.bytes
+        for path in self.paths.values():
+            if not (path.by_cost and path.exact):
+                continue
+            predicted = self._predict(path, nbytes, layer)
+            if predicted is not None and predicted.seconds < best_seconds:
+                best, best_seconds = path.name, predicted.seconds
+        return best
 
-    def _predict_sfb(self, layer: FCLayer) -> tuple[float, float]:
-        """(bytes per rank, seconds) of the layer's SFB sync at last pass's K; in parameter-server mode
-        with the pull of its new values (the pull half of a PS sync)."""
-        sent, seconds = predict_sfb(self.k_max[layer.name], layer.m, layer.n, layer.weight.element_size(),
-                                    self.world_size, self.link, self.gemm_flops)
-        if self.pull_values:
-            nbytes = sum(p.numel() for p in layer.params) * layer.weight.element_size()
-            pulled = ps_bytes_per_rank(nbytes, self.world_size) / 2
-            sent, seconds = sent + pulled, seconds + self.link.seconds(pulled, self.world_size - 1)
-        return sent, seconds
+    def _predict(self, path: Path, nbytes: float, layer: FCLayer | None) -> Prediction | None:
+        """``path``'s prediction for a bucket of ``nbytes`` (``layer``: its FC layer alone, at last pass's
+        K), with the owners' pull of the new values when ``pull_values`` and the path does not reduce there."""
+        params = sum(p.numel() for p in layer.params) * layer.weight.element_size() if layer is not None else nbytes
+        fc = FCCost(layer.m, layer.n, self.k_max[layer.name], layer.weight.element_size()) if layer is not None else None
+        predicted = path.predict(BucketCost(nbytes, params, fc), self.world_size, self.link, self.gemm_flops)
+        if predicted is None or not self.pull_values or path.reduces_at_owners:
+            return predicted
+        pull = self.paths.default.predict_pull(params, self.world_size, self.link)
+        return Prediction(predicted.bytes + pull.bytes, predicted.seconds + pull.seconds, predicted.compute_s)
 
     # ---- the printable plan ---------------------------------------------------------------------
 
@@ -213,19 +223,21 @@ class Coordinator:
         """The plan for the next synced pass, one row per bucket."""
         return Plan([self._row(b) for b in buckets], self.world_size, self.link, self.gemm_flops)
 
+    def _columns(self) -> list[Path]:
+        """The paths a plan shows: the default, those chosen by cost, those an override names."""
+        forced = set(self.overrides.values())
+        return [path for name, path in self.paths.items() if name == self.default or path.by_cost or name in forced]
+
     def _row(self, bucket: Bucket) -> PlanRow:
-        ps_bytes, ps_seconds = predict_ps(bucket.nbytes, self.world_size, self.link)
         layer = bucket.fc
         kind = type(bucket.layers[0].module).__name__ if len(bucket.layers) == 1 else f"fused x{len(bucket.layers)}"
-        planned = SFB if layer is not None and layer.name in self.sfb else PS
-        layers = tuple(layer.name for layer in bucket.layers)
-        row = PlanRow(bucket.name, kind, tuple(bucket.params[0].shape), None, planned,
-                      bucket.name in self.overrides, ps_bytes, ps_seconds, None, None, layers)
-        if layer is None:
-            return row
-        sfb_bytes, sfb_seconds = self._predict_sfb(layer)
-        return PlanRow(row.name, row.kind, row.shape, self.k_max[layer.name], row.path, row.forced, ps_bytes, ps_seconds,
-                       sfb_bytes, sfb_seconds, layers)
+        predictions = {}
+        for path in self._columns():
+            predicted = self._predict(path, bucket.nbytes, layer) if layer is not None or not path.factors else None
+            predictions[path.name] = None if predicted is None else (predicted.bytes, predicted.seconds)
+        planned = self.chosen.get(bucket.layers[0].name, self.default) if len(bucket.layers) == 1 else self.default
+        return PlanRow(bucket.name, kind, tuple(bucket.params[0].shape), self.k_max[layer.name] if layer else None,
+                       planned, bucket.name in self.overrides, predictions, tuple(part.name for part in bucket.layers))
 
 
 @dataclass(frozen=True)
@@ -236,10 +248,8 @@ class PlanRow:
     k: int | None          #: the largest K of the last pass (FC layers of their own)
     path: str
     forced: bool
-    ps_bytes: float
-    ps_seconds: float
-    sfb_bytes: float | None
-    sfb_seconds: float | None
+    #: per path shown: (bytes per rank, seconds) of one sync, None where it cannot take the bucket
+    predictions: dict[str, tuple[float, float] | None]
     layers: tuple[str, ...]  #: the bucket's layers, in sync order
 
 
@@ -256,7 +266,7 @@ class Plan:
     rows: list[PlanRow]
     world_size: int
     link: LinkModel
-    gemm_flops: float | None  #: None: not probed (no layer can take SFB)
+    gemm_flops: float | None  #: None: not probed (no layer can take a factor path)
 
     #: a fused bucket's name (its layers joined by "+") wraps onto lines of at most this many characters
     NAME_WIDTH = 48
@@ -275,8 +285,9 @@ class Plan:
             json.dump(record, file, indent=1, sort_keys=True)
 
     def __str__(self) -> str:
-        header = ("bucket", "type", "shape", "K", "path", "PS bytes", "PS time", "SFB bytes", "SFB time")
-        rows = [(header,)] + [_wrapped(_cells(row), self.NAME_WIDTH) for row in self.rows]
+        shown = list(self.rows[0].predictions) if self.rows else []
+        header = ("bucket", "type", "shape", "K", "path", *(f"{path} {what}" for path in shown for what in ("bytes", "time")))
+        rows = [(header,)] + [_wrapped(_cells(row, shown), self.NAME_WIDTH) for row in self.rows]
         widths = [max(len(line[i]) for row in rows for line in row) for i in range(len(header))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
                  for row in rows for line in row]
@@ -288,9 +299,9 @@ class Plan:
 
 def recorded_paths(plan: Plan | Mapping[str, str] | str | os.PathLike, module: nn.Module) -> dict[str, str]:
     """The per-layer paths of a recorded plan (a :class:`Plan`, a ``{layer: path}`` dict, or a file
-    :meth:`Plan.save` wrote), checked to name every layer of ``module`` that could take SFB: a layer
-    it leaves out would be planned by the timing-dependent cost model. Which names are layers, and
-    which paths they may take, the engine checks as it does for ``overrides``."""
+    :meth:`Plan.save` wrote), checked to name every layer of ``module`` that could take a factor path
+    (an FC layer): a layer it leaves out would be planned by the timing-dependent cost model. Which
+    names are layers, and which paths they may take, the engine checks as it does for ``overrides``."""
     if isinstance(plan, Plan):
         paths = plan.layer_paths()
     elif isinstance(plan, Mapping):
@@ -298,12 +309,12 @@ def recorded_paths(plan: Plan | Mapping[str, str] | str | os.PathLike, module: n
     elif isinstance(plan, (str, os.PathLike)):
         paths = _read_plan(plan)
     else:
-        raise TypeError(f"PoseidonDDP option plan must be a Plan (model.plan), a dict {{layer: 'PS' or 'SFB'}} or the "
-                        f"path of a file Plan.save() wrote, got {type(plan).__name__}")
+        raise TypeError(f"PoseidonDDP option plan must be a Plan (model.plan), a dict {{layer: path}} (paths: "
+                        f"{path_names()}) or the path of a file Plan.save() wrote, got {type(plan).__name__}")
     missing = sorted(layer.name for layer in fc_eligible(find_layers(module), module) if layer.name not in paths)
     if missing:
-        raise ValueError(f"plan= gives no path for the layer(s) {missing}, which could take SFB: a plan must name every "
-                         "such layer (record it from this model with model.plan.save(path), or add them)")
+        raise ValueError(f"plan= gives no path for the layer(s) {missing}, which could take a factor path: a plan must "
+                         "name every such layer (record it from this model with model.plan.save(path), or add them)")
     return paths
 
 
@@ -330,11 +341,13 @@ def _wrapped(cells: tuple[str, ...], width: int) -> list[tuple[str, ...]]:
     return [(pieces[0], *cells[1:])] + [(piece, *blank) for piece in pieces[1:]]
 
 
-def _cells(row: PlanRow) -> tuple[str, ...]:
-    fc = row.sfb_bytes is not None
+def _cells(row: PlanRow, shown: list[str]) -> tuple[str, ...]:
+    predicted = []
+    for path in shown:
+        prediction = row.predictions.get(path)
+        predicted += ["-", "-"] if prediction is None else [format_bytes(prediction[0]), format_seconds(prediction[1])]
     return (row.name, row.kind, "x".join(map(str, row.shape)), "-" if row.k is None else str(row.k),
-            row.path + ("*" if row.forced else ""), format_bytes(row.ps_bytes), format_seconds(row.ps_seconds),
-            format_bytes(row.sfb_bytes) if fc else "-", format_seconds(row.sfb_seconds) if fc else "-")
+            row.path + ("*" if row.forced else ""), *predicted)
 
 
 def format_bytes(nbytes: float) -> str:

@@ -43,7 +43,7 @@ import torch
 from .barrier import BSPBarrier, SyncError, SyncTimeout
 from .bucket import Bucket
 from .graph import grad_accumulator
-from .kvstore import PSPath
+from .paths.ps import PSPath
 from .pools import ChannelGroups, SyncChannel
 from .schedule import ChannelPlan
 
@@ -99,9 +99,9 @@ class PythonCore:
     # ---- configuration (between passes) ---------------------------------------------------------
 
     def install(self, buckets: Sequence[Bucket], ps: PSPath, plan: ChannelPlan) -> None:
-        """Make ``buckets`` current (between passes); ``ps``: the PS path, whose precomputed schedules
-        a core may run itself (this one runs every job through ``run_job``); ``plan``: the slots each
-        channel runs."""
+        """Make ``buckets`` current (between passes); ``ps``: the native path (the PS path), whose
+        precomputed schedules a core may run itself (this one runs every job through ``run_job``);
+        ``plan``: the slots each channel runs."""
         self._buckets = list(buckets)
         self._plan = plan
         self._ready = [_Readiness() for _ in buckets]
@@ -279,9 +279,11 @@ class NativeCore:
                                   channels[0].rank, channels[0].size, run_job, on_idle, stage, record_order)
         self._buckets: list[Bucket] = []
         self._native: list[bool] = []
+        self._native_name = ""
 
     def install(self, buckets: Sequence[Bucket], ps: PSPath, plan: ChannelPlan) -> None:
         self._buckets = list(buckets)
+        self._native_name = ps.name
         self._core.reset_buckets()
         for b in self._buckets:
             s = ps.schedule_of(b)
@@ -314,7 +316,7 @@ class NativeCore:
         for b, native in zip(self._buckets, self._native):
             if native:  # what the C++ job did, on the bucket as a Python job would have left it
                 b.bytes_sent, b.sync_seconds, b.outcome = self._core.bytes_sent(b.index), \
-                    self._core.sync_seconds(b.index), PSPath.name
+                    self._core.sync_seconds(b.index), self._native_name
         return status
 
     def wait_bucket(self, bucket: int, timeout: float) -> tuple[int, str]:

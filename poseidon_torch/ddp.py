@@ -46,12 +46,13 @@ from .core import native_status
 from .engine import CommStats, Engine
 from .env import option
 from .link import LinkModel, default_link, probe_gemm_flops, probe_link
+from .paths import names as path_names
+from .paths.ps import DEFAULT_CHUNK_BYTES
 from .pools import Groups, started_at_lower_priority
 from .replicas import BroadcastInFlight, broadcast_from, check_same_model
-from .sfb import fc_spec
+from .fc import fc_spec
 from .trace import Recorder, TraceConfig
 
-DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 DEFAULT_FUSION_BYTES = 4 * 1024 * 1024
 DEFAULT_NUM_CHANNELS = 2
 ENGINES = ("native", "python")
@@ -218,7 +219,8 @@ class PoseidonDDP(nn.Module, Joinable):
             raise RuntimeError(_NO_PROCESS_GROUP)
         self.module = module
         if overrides is not None and not isinstance(overrides, Mapping):
-            raise TypeError(f"PoseidonDDP option overrides must be a dict {{layer: 'PS' or 'SFB'}}, got {overrides!r}")
+            raise TypeError(f"PoseidonDDP option overrides must be a dict {{layer: path}} (paths: {path_names()}), "
+                            f"got {overrides!r}")
         if plan is not None:
             if overrides:
                 raise ValueError("pass either plan= (a recorded plan: every layer's path) or overrides= (the paths of "

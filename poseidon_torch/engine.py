@@ -49,18 +49,19 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .barrier import SyncError, SyncTimeout
-from .consistency import BSP, Delayed, DelayedValues, GradWriter, LiveGrads
+from .consistency import BSP, Delayed, DelayedValues, LiveGrads
 from .bucket import Bucket, JobCost, Layer, build_buckets, find_layers, group_layers, readiness_order
-from .coordinator import PS, SFB, Coordinator, PassFacts
+from .coordinator import Coordinator, PassFacts
 from .core import NativeCore, PythonCore, raise_outcome
 from .env import flag, option
+from .fc import FCLayer, fc_eligible, fc_layers
 from .graph import hook_target
-from .kvstore import PSPath, ps_messages
 from .link import LinkModel, theil_sen
+from .paths import GradWriter, Path, PathEnv, Paths, SyncContext, drive
+from .paths.update import ServerUpdate
 from .pools import Groups, StreamPool, started_at_lower_priority
 from .schedule import ChannelPlan, Halves, SyncingAtEnd, plan_channels
 from .server import Server, merge_exports
-from .sfb import FCLayer, SFBPath, fc_eligible, fc_layers
 from .trace import Recorder
 
 #: Before the first backward, neighbouring layers are fused up to this size (the buckets are then
@@ -78,18 +79,8 @@ class CommStats:
     jobs_last_iteration: int = 0
     bytes_by_bucket: dict[str, int] = field(default_factory=dict)
     bytes_by_path: dict[str, int] = field(default_factory=dict)  #: last iteration; "facts" = the exchange
-    outcome_by_bucket: dict[str, str] = field(default_factory=dict)  #: last iteration: PS, SFB or SFB->PS
-
-
-@dataclass(frozen=True)
-class SyncContext:
-    """What one sync job needs to know about its pass."""
-
-    path: str
-    task: int           #: the backward pass (graph task) whose factors to send
-    aborted: bool       #: this rank's backward was aborted: send, but keep nothing
-    shadow: bool        #: this rank has joined (uneven inputs): send zeros, keep nothing
-    k_pad: int = 0      #: rows per rank the SFB all-gather makes room for
+    #: last iteration: the path each bucket took (a path's name, or its fallback, e.g. "SFB->PS")
+    outcome_by_bucket: dict[str, str] = field(default_factory=dict)
 
 
 class Round:
@@ -150,15 +141,6 @@ class _Slot:
     halves: Halves | None = None
 
 
-def drive(phases: Generator[str, None, object]) -> object:
-    """Run a sync job's phases to the end; its result."""
-    while True:
-        try:
-            next(phases)
-        except StopIteration as stop:
-            return stop.value
-
-
 class Engine:
     """The state machine of passes over a core, the paths that sync buckets, and the bucket plan."""
 
@@ -185,12 +167,14 @@ class Engine:
         self.fc: dict[str, FCLayer] = {}
         if hybrid and self.world_size > 1:
             self.fc = fc_layers(self.layers, module, self.in_forward, self.in_synced_forward)
-        self.coordinator = Coordinator(self.fc, self.world_size, link, gemm_flops, overrides)
+        #: the registered paths by name (``paths/``): ``sync(bucket, groups, ctx)`` yields a job's phases
+        self.paths = Paths.build(PathEnv(self.rank, self.world_size, chunk_bytes,
+                                         torch.device("cpu") if staged else device))
+        self._default = self.paths.default  #: late gradients are synced again through it; the core runs it
+        self.coordinator = Coordinator(self.fc, self.world_size, link, gemm_flops, overrides, self.paths)
         self.coordinator.check_overrides([layer.name for layer in self.layers],
                                          [layer.name for layer in fc_eligible(self.layers, module)])
-        self._ps = PSPath(self.rank, self.world_size, chunk_bytes)
-        #: the sync of a bucket, per path name: ``sync(bucket, groups, ctx)`` yields its phases
-        self.paths = {PS: self._ps, SFB: SFBPath(self._ps, self.world_size, torch.device("cpu") if staged else device)}
+        self._server_jobs: dict[Path, ServerUpdate] = {}
         self._streams = StreamPool(device, len(self._channels)) if device.type == "cuda" else None
         self._lanes = [f"channel-{i}" for i in range(len(self._channels))]
         make = NativeCore if native and device.type == "cpu" else PythonCore
@@ -248,7 +232,7 @@ class Engine:
         return self.fc.get(layer.name)
 
     def _install(self, buckets: list[Bucket]) -> None:
-        """Make ``buckets`` current: PS schedules, the core's slots and channel schedules (between
+        """Make ``buckets`` current: the paths' plans, the core's slots and channel schedules (between
         passes only). Dirty flags carry over."""
         old = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
         for bucket in buckets:
@@ -263,12 +247,13 @@ class Engine:
         for name, layer in self.fc.items():
             layer.watching = name in self._fc_bucket
         self.coordinator.buckets_changed(set(self._fc_bucket), self._learned)
-        self._ps.prepare(buckets)
+        for path in self.paths.values():
+            path.prepare(buckets)
         self._syncing_at_end.reset()
         self.plan = self._channel_plan(len(buckets))
-        self.core.install(buckets, self._ps, self.plan)
+        self.core.install(buckets, self._default, self.plan)
         if self.server is not None:
-            self.server.install(buckets, self._ps, self.rank)
+            self.server.install(buckets, self._default, self.rank)
             self.server.load(full_state)
             self._buckets_of_module = {}
             for layer in self.layers:
@@ -278,7 +263,7 @@ class Engine:
                         indices = self._buckets_of_module.setdefault(id(module), [])
                         if index not in indices:
                             indices.append(index)
-        self._profile_names = {(b.index, path): f"poseidon.sync.{path}.{b.name}" for b in buckets for path in (PS, SFB)}
+        self._profile_names = {(b.index, path): f"poseidon.sync.{path}.{b.name}" for b in buckets for path in self.paths}
 
     def _channel_plan(self, buckets: int) -> ChannelPlan:
         """Which slots each channel runs. Parameter-server mode splits jobs at the update: every job
@@ -425,10 +410,8 @@ class Engine:
         self._backward_start_ns = 0
         p.contexts = [self._context(b, p) for b in self.buckets]
         committed = [b.fc is not None and b.fc.witness is not None for b in self.buckets]
-        # the core may run plain PS jobs itself: the engine's own PS path (unless a test swapped it),
-        # not a joined rank's shadow jobs
-        native_ps = [ctx.path == PS and self.paths[PS] is self._ps and not shadow and self.server is None
-                     for ctx in p.contexts]
+        # the core may run a job itself where it is the native path's own (not a joined rank's shadow job)
+        native_ps = [self._path(ctx.path).native and not shadow for ctx in p.contexts]
         if self.server is not None:
             self.server.begin_pass()
         self.core.begin_pass(committed, native_ps, self._traced(p) is not None)
@@ -439,7 +422,7 @@ class Engine:
 
     def _context(self, bucket: Bucket, p: Pass) -> SyncContext:
         path = self.coordinator.path_of(bucket, p.shadow)
-        k_pad = self.coordinator.k_pad(bucket) if path == SFB else 0
+        k_pad = self.coordinator.k_pad(bucket) if self.paths[path].factors else 0
         return SyncContext(path, p.task, p.aborted, p.shadow, k_pad)
 
     def _task_ended(self, task: int) -> None:
@@ -592,10 +575,10 @@ class Engine:
                             "that bucket's update (reentrant checkpointing or a hook that runs backward again?): "
                             "the late part was not applied")
         for bucket in late:  # a gradient arrived after its bucket's sync: average what .grad holds now
-            ctx = SyncContext(PS, p.task, p.aborted, p.shadow)
-            self._ps.stage(bucket, ctx)
+            ctx = SyncContext(self._default.name, p.task, p.aborted, p.shadow)
+            self._default.stage(bucket, ctx)
             bucket.wait_staged()
-            if drive(self._ps.sync(bucket, self._channels[0], ctx)):
+            if drive(self._default.sync(bucket, self._channels[0], ctx)):
                 grads.scatter(bucket)
         self._update_stats(p, late)
         if traced is not None:
@@ -613,28 +596,19 @@ class Engine:
                             "no gradient was averaged, local gradients are kept unsynced; skip the step on every rank")
 
     def _write_averages(self, p: Pass, facts: PassFacts, grads: GradWriter) -> None:
-        """The averages of this pass into ``grads`` (``.grad``, or where the consistency policy holds a
-        deferred pass's gradients; training thread, after every job): sync jobs never
-        write ``.grad``, so nothing of a backward that raised can land after the user's ``zero_grad()``;
-        an aborted pass keeps its local gradients as unsynced. A bucket that got a gradient late keeps
-        ``.grad`` as it is (its early part averaged without the late one): :meth:`_close` syncs all of it
-        again (an SFB average is *added*, so the late part survives it)."""
-        averages = {layer.name: layer.take_average() for layer in self.fc.values()}
-        locals_ = {layer.name: layer.take_local() for layer in self.fc.values()}
-        if self.server is not None or p.shadow:
-            return
-        for bucket in self.buckets:
-            name = bucket.fc.name if bucket.fc is not None else None
-            if facts.aborted:  # keep the local gradient, unsynced: a fallback's factor part too
-                bucket.dirty |= bucket.seen
-                if locals_.get(name) is not None:
-                    bucket.fc.add_to_grad(locals_[name])
-                    bucket.dirty.fill_(1)  # the bucket is the FC layer alone
-            elif bucket.outcome in (PS, "SFB->PS"):
-                if not facts.late[bucket.index]:
-                    grads.scatter(bucket)
-            elif averages.get(name) is not None:
-                grads.add(bucket.fc, averages[name])
+        """What each bucket's path left, into ``grads`` (``.grad``, or where the consistency policy holds a
+        deferred pass's gradients; training thread, after every job): sync jobs never write ``.grad``, so
+        nothing of a backward that raised can land after the user's ``zero_grad()``; an aborted pass keeps
+        its local gradients as unsynced. A bucket that got a gradient late keeps ``.grad`` as it is (its
+        early part averaged without the late one): :meth:`_close` syncs all of it again."""
+        for bucket, ctx in zip(self.buckets, p.contexts):
+            path = self.paths[ctx.path]
+            if self.server is not None or p.shadow:
+                path.forget(bucket)
+            elif facts.aborted:
+                path.keep_local(bucket)
+            else:
+                path.write(bucket, grads, facts.late[bucket.index])
 
     def _close_pass(self, p: Pass) -> None:
         with self._lock:
@@ -659,10 +633,9 @@ class Engine:
                 raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank}: {differing}")
         self.settle()
         self.consistency = facade.consistency_policy() or self.consistency
-        self._ps.aligned = facade.aligned
-        self._ps.flags_to_owners = True
-        self.server, self._server_path, self._sfb_update = self.consistency.server_for(
-            facade, self._ps, self.paths[SFB], self._control, self.timeout)
+        self._default.aligned = facade.aligned
+        self._default.flags_to_owners = True
+        self.server, self._stale_job = self.consistency.server_for(facade, self._default, self._control, self.timeout)
         self.coordinator.pull_values = True
         # a module's forward waits for the parameters of its whole subtree (nn.MultiheadAttention reads
         # out_proj.weight itself); the root's would wait for everything, so it waits for its own only
@@ -680,7 +653,7 @@ class Engine:
         if self.consistency.lockstep:
             self._install(self.buckets)
         else:  # ranks on their own clocks cannot learn buckets together: fused once, as torch DDP's
-            self.coordinator.only_ps()
+            self.coordinator.default_only()
             self._learned = True
             cap = min(self.fusion_bytes, self.consistency.fixed_fusion_bytes)
             self._install(build_buckets(group_layers(list(reversed(self.layers)), cap, set()),
@@ -875,24 +848,29 @@ class Engine:
         read of ``.grad``, into its flat buffer (the core's call; no job ever reads ``.grad``)."""
         bucket, ctx = self.buckets[index], self._context_of(index)
         with self._device_stream(bucket.ready_event, self.plan.channel_of(index)):  # CUDA: copies on a side stream
-            self._path(bucket, ctx.path).stage(bucket, ctx)
+            self._path(ctx.path).stage(bucket, ctx)
 
     def _first_slot(self, index: int, channel: int) -> _Slot:
         """The phases of bucket ``index``'s job this pass (up to the update when the plan splits it)."""
         bucket = self.buckets[index]
         ctx = self._context_of(index)
-        phases = self._path(bucket, ctx.path).sync(bucket, self._channels[channel], ctx)
+        phases = self._path(ctx.path).sync(bucket, self._channels[channel], ctx)
         if index not in self.plan.split:
             return _Slot(ctx, self.core.submit_ns(index), phases)
         halves = Halves(phases, "update")
         return _Slot(ctx, self.core.submit_ns(index), halves.first(), halves)
 
-    def _path(self, bucket: Bucket, name: str):
-        """The path that syncs ``bucket`` this pass: the coordinator's choice, with the update at the
-        owners in parameter-server mode."""
+    def _path(self, name: str):
+        """The job of a bucket on path ``name`` this pass: the path's, with the update at the owners in
+        parameter-server mode."""
+        path = self.paths[name]
         if self.server is None:
-            return self.paths[name]
-        return self._sfb_update if name == SFB else self._server_path
+            return path
+        if self._stale_job is not None:
+            return self._stale_job
+        if path not in self._server_jobs:
+            self._server_jobs[path] = ServerUpdate(path, self._default, self.server)
+        return self._server_jobs[path]
 
     def _device_stream(self, after, channel: int):
         """A context on the channel's CUDA stream, ordered after the event ``after``, that gives the stream
@@ -904,11 +882,11 @@ class Engine:
     # ---- after the pass -----------------------------------------------------------------------------
 
     def _update_stats(self, p: Pass, late: list[Bucket]) -> None:
-        by_path = {PS: 0, SFB: 0, "facts": self._facts_bytes}
+        by_path = {**dict.fromkeys(self.paths, 0), "facts": self._facts_bytes}
         for bucket, ctx in zip(self.buckets, p.contexts):
             by_path[ctx.path] += bucket.bytes_sent
-        for bucket in late:
-            by_path[PS] += self._ps.bytes_sent(bucket)
+        for bucket in late:  # synced again on the default path: what the last job sent
+            by_path[self._default.name] += bucket.bytes_sent
         total = sum(by_path.values())
         stats = self.stats
         stats.bytes_sent_last_iteration = total
@@ -944,7 +922,9 @@ class Engine:
             last = max(last, submitted)
         for index, kind, start, end in self.core.native_spans():
             bucket = self.buckets[index]
-            args = {"path": PS, "bytes": bucket.bytes_sent} if kind == "sync" else {"path": PS}
+            args = {"path": self._default.name}
+            if kind == "sync":
+                args["bytes"] = bucket.bytes_sent
             self.recorder.add(kind, bucket.name, self._lanes[index % len(self._channels)], start, end, iteration,
                               **args)
 
@@ -954,7 +934,7 @@ class Engine:
         watching = self.server is not None and self.server.facade.lazy_pull and self._pull_priority and self._learned
         if watching and self._syncing_at_end.observe(facts.syncing):
             self.plan = self._channel_plan(len(self.buckets))
-            self.core.install(self.buckets, self._ps, self.plan)
+            self.core.install(self.buckets, self._default, self.plan)
 
     def _learn_if_needed(self) -> None:
         """Rebuild the buckets from the readiness order of this pass (rank 0's, the same everywhere):
@@ -996,10 +976,8 @@ class Engine:
         return link_cost
 
     def _link_job_cost(self) -> JobCost:
-        """Seconds per sync job of a bucket of n bytes by the link model: its latency per PS message
-        round, its bandwidth for the bytes a PS job sends per rank."""
-        return JobCost(self.link.alpha_s * ps_messages(self.world_size),
-                       self.link.beta_s_per_byte * 2 * (self.world_size - 1) / self.world_size)
+        """Seconds per sync job of a bucket of n bytes by the link model (the default path's)."""
+        return self._default.job_cost(self.link)
 
     # ---- lifetime ----------------------------------------------------------------------------------
 

@@ -1,20 +1,16 @@
 """The server side of the KV store: shards hold the optimizer state and apply the update (paper, sec. 3).
 
 With a :class:`ServerOptimizer`, a bucket's sync no longer hands averaged gradients back to every rank:
-- :class:`ServerPath` (buckets on the PS path): push, aggregate exactly P parts, then the *owner* of each
-  chunk runs the user's optimizer on that chunk with the chunk's optimizer state (which only it holds),
-  and the pull carries new **parameter values** instead of gradients;
-- :class:`SFBUpdatePath` (an FC layer on SFB): every rank rebuilds the full averaged gradient, the
-  owners of the layer's chunks apply the update, and the pull (the second half of a PS sync) carries
-  the new values: the state stays sharded, at (P-1)/P of the layer's bytes per rank per step, which
-  the coordinator charges to SFB in this mode;
-- either way the new values wait in the bucket's flat buffer; the engine copies them into the parameters
-  on the training thread: in the forward pre-hook of the layer that owns them, or when it settles the pass;
-- both paths stage each piece's averaged gradient before they yield "update", so the engine's channel
-  plan may cut a job there (``schedule.py``): global-norm clipping (``max_grad_norm``) then waits, before
-  the first update of a pass, for every bucket's push and sums the squared norms of the staged pieces
-  over the ranks (each element is in one owned piece), and every update scales its gradients as
-  ``torch.nn.utils.clip_grad_norm_`` would.
+the update wrapper (``paths/update.py``) runs the bucket's path up to where the *owner* of each chunk
+(the default path's chunks are the shards) holds the chunk's averaged gradient, the owner runs the
+user's optimizer on that chunk with the chunk's optimizer state (which only it holds), and the pull
+carries new **parameter values** instead of gradients. The new values wait in the bucket's flat buffer;
+the mode copies them into the parameters on the training thread: in the forward pre-hook of the layer
+that owns them, or when it settles the pass. Every piece's averaged gradient is staged before the job
+yields "update", so the engine's channel plan may cut a job there (``schedule.py``): global-norm
+clipping (``max_grad_norm``) then waits, before the first update of a pass, for every bucket's push
+and sums the squared norms of the staged pieces over the ranks (each element is in one owned piece),
+and every update scales its gradients as ``torch.nn.utils.clip_grad_norm_`` would.
 
 A *piece* is the part of one parameter inside one chunk. Each rank's pieces are leaf tensors that its
 per-bucket inner optimizers (the user's class, the user's param groups and hyperparameters) step.
@@ -39,7 +35,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +44,7 @@ from torch import Tensor
 
 from .barrier import SyncError
 from .bucket import Bucket
-from .kvstore import Chunk, PSPath
+from .paths.ps import Chunk, PSPath
 from .pools import ChannelGroups
 
 if TYPE_CHECKING:  # the facade's module imports this one, never the other way round
@@ -362,75 +358,6 @@ class Server:
             shard.load(full_state)
         self._loaded = bool(full_state)
         self._drop_undo()
-
-
-class ServerPath:
-    """The PS path with the update at the owner: gather, push, aggregate, update, pull new values."""
-
-    name = "PS"
-
-    def __init__(self, ps: PSPath, server: Server) -> None:
-        self.ps, self.server = ps, server
-
-    def stage(self, bucket: Bucket, ctx) -> None:
-        # torch steps every parameter that has a .grad (zeros too): so do the owners
-        bucket.stage(ctx.aborted, ctx.shadow, grads_present=True)
-
-    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
-        yield "network"  # staged when it was submitted
-        self.ps.push(bucket, groups)
-        flags = self.ps.owner_flags(bucket)
-        self.ps.aggregate(bucket)
-        shard = self.server.shard(bucket)
-        if flags is not None:
-            aborted = bool(flags[-1] > 0)
-            used = (flags[:-1] > 0).tolist()
-            shard.stage([None if aborted or not used[piece.position] else piece.view_of(bucket.flat)
-                         for piece in shard.pieces])
-        yield "update"
-        self.server.update(bucket)
-        yield "network"
-        self.ps.pull(bucket, groups)
-        bucket.bytes_sent = self.ps.bytes_sent(bucket)
-        bucket.outcome = self.name
-        # .grad stays as backward left it (zero_grad() clears it, as before any optimizer step)
-        synced = bucket.read_flags()
-        if synced:
-            bucket.dirty.zero_()
-        return synced
-
-
-class SFBUpdatePath:
-    """An FC layer on SFB (``inner``: the SFB path): the exact average rebuilt on every rank, the update
-    at the owners of the layer's chunks, the new values pulled."""
-
-    def __init__(self, inner: Any, ps: PSPath, server: Server) -> None:
-        self.inner, self.ps, self.server = inner, ps, server
-        self.name = inner.name
-
-    def stage(self, bucket: Bucket, ctx) -> None:
-        self.inner.stage(bucket, ctx)
-
-    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
-        synced = yield from self.inner.sync(bucket, groups, ctx)
-        if not synced:  # aborted, or no rank used the layer: the same on every rank
-            return False
-        shard = self.server.shard(bucket)
-        used = bucket.used_anywhere.tolist()
-        rebuilt = bucket.fc.take_average()  # None after a fallback to PS: the average is in the buffer
-        average = dict(zip(map(id, bucket.fc.params), rebuilt)) if rebuilt is not None else \
-            {id(p): view for p, view in bucket.views()}
-        shard.stage([average[id(piece.param)].reshape(-1)[piece.lo:piece.hi].view(piece.tensor.shape)
-                     if used[piece.position] and average[id(piece.param)] is not None else None
-                     for piece in shard.pieces])
-        yield "update"
-        self.server.update(bucket)
-        yield "network"
-        sent = bucket.bytes_sent
-        self.ps.pull(bucket, groups)
-        bucket.bytes_sent = sent + self.ps.pull_bytes(bucket)
-        bucket.upload()  # the new values replace the average the SFB path left
-        return True
 
 
 def apply_values(bucket: Bucket) -> None:

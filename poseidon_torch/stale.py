@@ -42,9 +42,10 @@ from torch import Tensor
 from .barrier import SyncError
 from .bucket import Bucket
 from .consistency import BSP
-from .kvstore import Chunk, PSPath
-from .pools import Backend, Collectives, make_backend
-from .server import BucketShard, ServerPath, export_shards, hyperparameters, pieces_of
+from .paths import SyncContext
+from .paths.ps import Chunk, PSPath
+from .pools import Backend, ChannelGroups, Collectives, make_backend
+from .server import BucketShard, export_shards, hyperparameters, pieces_of
 
 if TYPE_CHECKING:
     from .optimizer import ServerOptimizer
@@ -75,15 +76,14 @@ class Stale(BSP):
         self.staleness, self.push_every, self.fetch_every = staleness, push_every, fetch_every
         self.server: StaleServer | None = None
 
-    def server_for(self, facade: ServerOptimizer, ps: PSPath, sfb: Any, control: Collectives,
-                   timeout: float) -> tuple[StaleServer, StalePath, StalePath]:
+    def server_for(self, facade: ServerOptimizer, kv: PSPath, control: Collectives,
+                   timeout: float) -> tuple[StaleServer, StaleJob]:
         devices = sorted({p.device.type for p in facade.model.module.parameters()} - {"cpu"})
         if devices:
             raise NotImplementedError(f"ServerOptimizer(staleness={self.staleness}) runs on CPU parameters only for "
                                       f"now (the model has {devices} ones): its server threads exchange host tensors")
         self.server = StaleServer(facade, control, self.staleness, timeout, self.push_every, self.fetch_every)
-        path = StalePath(ps, self.server)
-        return self.server, path, path
+        return self.server, StaleJob(kv.name, self.server)
 
     def take_values(self, bucket: Bucket) -> None:
         """The answered values into the parameters, in a pass that fetched them (``fetch_every``)."""
@@ -668,11 +668,20 @@ def payload_bytes(bucket: Bucket, chunk: Chunk) -> int:
     return (chunk.stop - chunk.start + len(bucket.params) + 1) * bucket.flat.element_size()
 
 
-class StalePath(ServerPath):
-    """A bucket's job in SSP/asynchronous mode: push every chunk, take the values the owners answer
-    (staged as the BSP server path stages: every parameter with a ``.grad`` is stepped)."""
+class StaleJob:
+    """A bucket's job in SSP/asynchronous mode, whatever its path: push every chunk, take the values the
+    owners answer (staged as the update at the owners stages: every parameter with a ``.grad`` is
+    stepped)."""
 
-    def sync(self, bucket: Bucket, groups: Any, ctx) -> Iterator[str]:
+    native = False
+
+    def __init__(self, name: str, server: StaleServer) -> None:
+        self.name, self.server = name, server
+
+    def stage(self, bucket: Bucket, ctx: SyncContext) -> None:
+        bucket.stage(ctx.aborted, ctx.shadow, grads_present=True)
+
+    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Iterator[str]:
         yield "network"
         bucket.bytes_sent = self.server.exchange(bucket)
         bucket.outcome = self.name

@@ -106,19 +106,19 @@ def train_delayed_cases(rank: int, world_size: int, spec: ModelSpec, cases: list
             for delay, optimizer, options in cases]
 
 
-class SlowPath:
-    """The path it replaces, after a pause in every job: a sync that takes ``seconds``."""
+def paused(job_class: type, seconds: float) -> type:
+    """``job_class`` (a path's, or a mode's job's) whose jobs pause ``seconds`` first: a sync that takes
+    ``seconds`` (in Python: the native core does not run it)."""
 
-    def __init__(self, inner, seconds: float) -> None:
-        self.inner, self.seconds, self.name = inner, seconds, inner.name
+    class Paused(job_class):
+        native = False
 
-    def stage(self, bucket, ctx):
-        self.inner.stage(bucket, ctx)
+        def sync(self, bucket, groups, ctx):
+            yield "network"
+            time.sleep(seconds)
+            return (yield from super().sync(bucket, groups, ctx))
 
-    def sync(self, bucket, groups, ctx):
-        yield "network"
-        time.sleep(self.seconds)
-        return (yield from self.inner.sync(bucket, groups, ctx))
+    return Paused
 
 
 def overlap(rank: int, world_size: int, delay: int, seconds: float, server: bool = False,
@@ -130,12 +130,15 @@ def overlap(rank: int, world_size: int, delay: int, seconds: float, server: bool
     model = build(spec, seed=0)
     wrapped = PoseidonDDP(model, timeout=60, delay=0 if server else delay, hybrid=False)
     if server:
+        from server_workers import server_job
+
         opt = _server_optimizer(wrapped, "sgd", delay=delay)
-        wrapped.engine._server_path = SlowPath(wrapped.engine._server_path, seconds)
+        jobs = [server_job(wrapped.engine, "PS")]
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for path in list(wrapped.engine.paths):
-            wrapped.engine.paths[path] = SlowPath(wrapped.engine.paths[path], seconds)
+        jobs = list(wrapped.engine.paths.values())
+    for job in jobs:
+        job.__class__ = paused(type(job), seconds)
     forward_s, backward_s, done_after_forward, done_at_return = [], [], [], []
     engine = wrapped.engine
     for step in range(4):

@@ -130,9 +130,6 @@ def delayed_pulls(rank: int, world_size: int, delay_s: float) -> dict:
     """Lazy pulls whose jobs gather and pull ``delay_s`` late: the training loop's ``zero_grad()`` must
     not take the gradients from under the job, and the next forward must wait per layer. Returns both
     runs' final states and the seconds this rank's forwards waited for new values."""
-    from poseidon_torch.server import ServerPath
-
-    slow_pull = slowed(ServerPath, ("network", "update"), delay_s)  # late to push, late to pull
     spec = ModelSpec(widths=(16, 16), out_features=4)
     states, waited = {}, 0.0
     for wrapper in ("server", "ddp"):
@@ -141,8 +138,7 @@ def delayed_pulls(rank: int, world_size: int, delay_s: float) -> dict:
         opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=True)
         for step in range(4):
             if wrapper == "server" and step == 1:  # the buckets are learned: slow every pull from now on
-                engine = wrapped.engine
-                engine._server_path = slow_pull(engine._ps, engine.server)
+                slow(server_job(wrapped.engine, "PS"), ("network", "update"), delay_s)  # late to push, late to pull
             x, y = batch(spec, step, 2, world_size)
             start = time.monotonic()
             out = wrapped(shard(x, rank, 2))
@@ -169,9 +165,6 @@ def grad_edit_after_backward(rank: int, world_size: int, edit: str, lazy: bool, 
     loop edits ``.grad`` right after backward(). The documented contract: the update already used this
     step's average, so the edit has no effect: the parameters are those of DDP + the same optimizer
     without the edit, whatever the timing."""
-    from poseidon_torch.server import ServerPath
-    from poseidon_torch.sfb import SFBPath
-
     spec = ModelSpec(widths=(16, 16), out_features=4)
     states = {}
     for wrapper in ("server", "ddp"):
@@ -180,10 +173,8 @@ def grad_edit_after_backward(rank: int, world_size: int, edit: str, lazy: bool, 
         wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, options)) if wrapper == "server" else DDP(model)
         opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=lazy)
         if wrapper == "server":
-            engine = wrapped.engine
-            engine._server_path = slowed(ServerPath, ("network",), 0.05)(engine._ps, engine.server)
-            engine.paths["SFB"] = slowed(SFBPath, ("gather",), 0.05)(engine._ps, world_size, torch.device("cpu"))
-            engine._sfb_update.inner = engine.paths["SFB"]
+            slow(server_job(wrapped.engine, "PS"), ("network",), 0.05)
+            slow(wrapped.engine.paths["SFB"], ("gather",), 0.05)
         for step in range(4):
             x, y = batch(spec, step, 2, world_size)
             F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
@@ -380,28 +371,33 @@ def slowed(path_class: type, phase_names: tuple[str, ...], seconds: float) -> ty
     return watched(path_class, before=lambda phase, bucket: time.sleep(seconds) if phase in phase_names else None)
 
 
+def slow(job, phase_names: tuple[str, ...], seconds: float) -> None:
+    """From now on ``job`` (a path, or a mode's job) pauses ``seconds`` when it reaches any of ``phase_names``."""
+    job.__class__ = slowed(type(job), phase_names, seconds)
+
+
+def server_job(engine, path: str):
+    """The job the engine runs in parameter-server mode for the buckets on ``path`` (one object per path)."""
+    return engine._path(path)
+
+
 def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: bool, bad_step: int = 1) -> dict:
     """Every layer on ``path``; at ``bad_step`` a hook on the first layer raises (a bad batch, caught on
     every rank) while the other layers' slowed-down jobs still run: nothing of that step may reach the
     parameters, as with DDP skipping the batch (the jobs finish after the user's zero_grad()). At step 0
     no optimizer state exists yet: the skipped step must not leave any behind."""
-    from poseidon_torch.coordinator import SFB
-    from poseidon_torch.kvstore import PSPath
-    from poseidon_torch.sfb import SFBPath
-
     states = {}
     for wrapper in ("poseidon", "ddp"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
         if wrapper == "ddp":
             wrapped, opt = DDP(model), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        elif path == SFB:
-            wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, overrides={"0": SFB, "2": SFB, "4": SFB})
-            engine = wrapped.engine
-            engine.paths[SFB] = slowed(SFBPath, ("rebuild",), 0.1)(engine._ps, world_size, torch.device("cpu"))
+        elif path == "SFB":
+            wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, overrides={"0": "SFB", "2": "SFB", "4": "SFB"})
+            slow(wrapped.engine.paths["SFB"], ("rebuild",), 0.1)
         else:  # the Python core runs PS jobs through the engine's PS path (the native core in C++)
             wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, hybrid=False, engine="python")
-            wrapped.engine._ps.__class__ = slowed(PSPath, ("network",), 0.1)
+            slow(wrapped.engine.paths["PS"], ("network",), 0.1)
         if wrapper == "poseidon":
             # momentum: the skipped step must leave the optimizer state alone too, not only the values
             opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, momentum=0.9) if server else \
@@ -442,8 +438,6 @@ def pulls_in_order(rank: int, world_size: int, steps: int) -> dict:
     buckets are learned and three passes watched, the pulls must run input side first. Returns both
     runs' final states, the channel plan and, per step, the order in which this rank's updates (and
     pulls) began."""
-    from poseidon_torch.server import ServerPath
-
     spec = ModelSpec(widths=(16, 16, 16), out_features=4)
     states, orders = {}, []
     for wrapper in ("server", "ddp"):
@@ -452,9 +446,8 @@ def pulls_in_order(rank: int, world_size: int, steps: int) -> dict:
         opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=True)
         log: list[int] = []
         if wrapper == "server":
-            engine = wrapped.engine
-            engine._server_path = recording_updates(slowed(ServerPath, ("network",), 0.03), log)(engine._ps,
-                                                                                                 engine.server)
+            job = server_job(wrapped.engine, "PS")
+            job.__class__ = recording_updates(slowed(type(job), ("network",), 0.03), log)
         for step in range(steps):
             x, y = batch(spec, step, 2, world_size)
             out = wrapped(shard(x, rank, 2))  # the last pass has settled: its log is complete
@@ -472,13 +465,14 @@ def pulls_in_order(rank: int, world_size: int, steps: int) -> dict:
 def clipped_behind_a_slow_push(rank: int, world_size: int, max_norm: float) -> dict:
     """Global-norm clipping where the first update's channel is ready long before the other channel's
     push ends (the output layer's push is held back 0.3 s): the norm must still cover every bucket."""
-    from poseidon_torch.server import ServerPath
+    def slow_output_push(job_class: type) -> type:
+        class SlowOutputPush(job_class):
+            def sync(self, bucket, groups, ctx):
+                if bucket.index == 0:
+                    time.sleep(0.3)
+                return (yield from super().sync(bucket, groups, ctx))
 
-    class SlowOutputPush(ServerPath):
-        def sync(self, bucket, groups, ctx):
-            if bucket.index == 0:
-                time.sleep(0.3)
-            return (yield from super().sync(bucket, groups, ctx))
+        return SlowOutputPush
 
     states, norms = {}, {}
     for wrapper in ("server", "ddp"):
@@ -487,7 +481,8 @@ def clipped_behind_a_slow_push(rank: int, world_size: int, max_norm: float) -> d
         if wrapper == "server":
             wrapped = PoseidonDDP(model, timeout=60, hybrid=False, fusion_bytes=0)
             opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, max_grad_norm=max_norm)
-            wrapped.engine._server_path = SlowOutputPush(wrapped.engine._ps, wrapped.engine.server)
+            job = server_job(wrapped.engine, "PS")
+            job.__class__ = slow_output_push(type(job))
         else:
             wrapped = DDP(model)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -817,7 +812,6 @@ def traced_pull_waits(rank: int, world_size: int, trace_dir: str, lazy: bool) ->
     """ServerOptimizer with every job's network phase slowed by 50 ms once the buckets are learned,
     traced over steps 2-3: the training thread's waits per rank-iteration, by what it waited on (rank 0,
     which writes the merged trace; the others return nothing)."""
-    from poseidon_torch.server import ServerPath
     from poseidon_torch.trace import load_spans, summarize
 
     spec = ModelSpec(widths=(16, 16), out_features=4)
@@ -827,8 +821,7 @@ def traced_pull_waits(rank: int, world_size: int, trace_dir: str, lazy: bool) ->
     opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, lazy_pull=lazy)
     for step in range(5):
         if step == 1:
-            engine = wrapped.engine
-            engine._server_path = slowed(ServerPath, ("network",), 0.05)(engine._ps, engine.server)
+            slow(server_job(wrapped.engine, "PS"), ("network",), 0.05)
         x, y = batch(spec, step, 2, world_size)
         F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
         opt.step()

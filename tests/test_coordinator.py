@@ -10,10 +10,11 @@ from torch import nn
 
 from poseidon_torch import link as link_module
 from poseidon_torch.bucket import JobCost
-from poseidon_torch.coordinator import Coordinator, predict_ps, predict_sfb
-from poseidon_torch.kvstore import ps_bytes_per_rank
+from poseidon_torch.coordinator import Coordinator
+from poseidon_torch.fc import CHECKPOINTED, HOOKED, FCLayer, fc_spec
 from poseidon_torch.link import LinkModel, fit_link, probe_gemm_flops, probe_link
-from poseidon_torch.sfb import CHECKPOINTED, HOOKED, FCLayer, fc_spec, sfb_bytes_per_rank
+from poseidon_torch.paths.ps import predict_ps, ps_bytes_per_rank
+from poseidon_torch.paths.sfb import predict_sfb, sfb_bytes_per_rank
 
 GIGABIT = LinkModel.from_gbps(1.0, latency_us=50.0)
 GEMM_FLOPS = 100e9  # fixed, so the plans below do not depend on this machine
@@ -84,7 +85,7 @@ def k_where_sfb_stops_winning(m: int, n: int, world_size: int) -> int:
 
 def test_first_pass_plans_ps_everywhere():
     c = coordinator(fc=(512, 512))
-    assert c.sfb == set() and not c.commits("fc")
+    assert c.on("SFB") == set() and not c.commits("fc")
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
@@ -94,33 +95,33 @@ def test_plan_flips_from_sfb_to_ps_where_the_predicted_times_cross(world_size):
     for k, expected in ((flip - 1, {"fc"}), (flip, set())):
         c = coordinator(world_size, fc=(512, 512))
         c.observe(facts(c, [{"fc": (k if r == 0 else 1, 0)} for r in range(world_size)]), 0)
-        assert c.k_max["fc"] == k and c.sfb == expected, (k, flip)
+        assert c.k_max["fc"] == k and c.on("SFB") == expected, (k, flip)
 
 
 def test_sticky_facts_of_any_rank_keep_a_layer_on_ps_even_when_forced():
     c = coordinator(2, overrides={"fc": "SFB"}, fc=(512, 512), other=(512, 512))
     with pytest.warns(UserWarning, match="'fc' stays on the PS path.*user hooks on its parameters"):
         c.observe(facts(c, [{"fc": (4, 0), "other": (4, 0)}, {"fc": (4, HOOKED), "other": (4, 0)}]), 0)
-    assert c.sfb == {"other"}
+    assert c.on("SFB") == {"other"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once
         c.observe(facts(c, [{"fc": (4, CHECKPOINTED), "other": (4, 0)}] * 2), 0)
-    assert c.sticky["fc"] == HOOKED | CHECKPOINTED and c.sfb == {"other"}
+    assert c.sticky["fc"] == HOOKED | CHECKPOINTED and c.on("SFB") == {"other"}
 
 
 def test_sfb_needs_a_bucket_of_its_own_and_ps_overrides_win():
     c = coordinator(2, overrides={"forced_ps": "PS"}, fused=(512, 512), forced_ps=(512, 512))
     c.solo = {"forced_ps"}
     c.observe(facts(c, [{"fused": (4, 0), "forced_ps": (4, 0)}] * 2), 0)
-    assert c.sfb == set()
+    assert c.on("SFB") == set()
 
 
 def test_an_aborted_pass_does_not_change_the_plan():
     c = coordinator(2, fc=(512, 512))
     c.observe(facts(c, [{"fc": (4, 0)}] * 2), 0)
-    assert c.sfb == {"fc"}
+    assert c.on("SFB") == {"fc"}
     outcome = c.observe(facts(c, [{"fc": (4000, 0)}] * 2, aborted={1}), 0)
-    assert outcome.aborted and c.sfb == {"fc"}
+    assert outcome.aborted and c.on("SFB") == {"fc"}
 
 
 def test_late_buckets_are_reported_if_any_rank_saw_one():
@@ -264,18 +265,19 @@ def test_a_layer_alone_in_a_learned_bucket_is_charged_the_latency_on_ps():
     c = Coordinator(fc, 2, slow_start, GEMM_FLOPS)
     c.buckets_changed({"head"}, learned=False)
     c.observe(facts(c, [{"head": (32, 0)}] * 2), 0)
-    assert c.sfb == set()
+    assert c.on("SFB") == set()
     c.buckets_changed({"head"}, learned=True)
     c.observe(facts(c, [{"head": (32, 0)}] * 2), 0)
-    assert c.sfb == {"head"}
+    assert c.on("SFB") == {"head"}
 
 
 def test_plan_printout_wraps_fused_names_and_says_when_the_gemm_was_not_probed():
     from poseidon_torch.coordinator import Plan, PlanRow
 
     fused = "+".join(f"blocks.{i}.conv{j}" for i in range(12) for j in (1, 2))
-    rows = [PlanRow(fused, "fused x24", (64, 64, 3, 3), None, "PS", False, 1e6, 1e-3, None, None, tuple(fused.split("+"))),
-            PlanRow("head", "Linear", (10, 512), 32, "SFB", True, 2e4, 1e-4, 1e3, 2e-5, ("head",))]
+    rows = [PlanRow(fused, "fused x24", (64, 64, 3, 3), None, "PS", False, {"PS": (1e6, 1e-3), "SFB": None},
+                    tuple(fused.split("+"))),
+            PlanRow("head", "Linear", (10, 512), 32, "SFB", True, {"PS": (2e4, 1e-4), "SFB": (1e3, 2e-5)}, ("head",))]
     text = str(Plan(rows, 2, LinkModel.from_gbps(1.0, latency_us=50), None))
     lines = text.splitlines()
     assert max(len(line) for line in lines[:-1]) < Plan.NAME_WIDTH + 80
@@ -293,7 +295,7 @@ def test_in_parameter_server_mode_sfb_is_charged_the_pull_of_new_values():
         c = Coordinator(layers(("fc", 64, 64)), 2, slow, GEMM_FLOPS)
         c.solo, c.pull_values = {"fc"}, pull_values
         c.observe(facts(c, [{"fc": (24, 0)}] * 2), 0)
-        chosen[pull_values] = c.sfb
+        chosen[pull_values] = c.on("SFB")
     assert chosen == {False: {"fc"}, True: set()}
 
 
@@ -303,8 +305,8 @@ def test_a_recorded_plan_round_trips_through_its_file_and_must_name_every_fc_lay
     from poseidon_torch.coordinator import Plan, PlanRow, recorded_paths
 
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 8), nn.Linear(8, 2))
-    rows = [PlanRow("3", "Linear", (2, 8), 4, "SFB", False, 1e3, 1e-4, 1e2, 1e-5, ("3",)),
-            PlanRow("2+0", "fused x2", (8, 8), None, "PS", False, 1e3, 1e-4, None, None, ("2", "0"))]
+    rows = [PlanRow("3", "Linear", (2, 8), 4, "SFB", False, {"PS": (1e3, 1e-4), "SFB": (1e2, 1e-5)}, ("3",)),
+            PlanRow("2+0", "fused x2", (8, 8), None, "PS", False, {"PS": (1e3, 1e-4), "SFB": None}, ("2", "0"))]
     plan = Plan(rows, 2, GIGABIT, GEMM_FLOPS)
     assert plan.layer_paths() == {"3": "SFB", "2": "PS", "0": "PS"}
     plan.save(tmp_path / "plan.json")

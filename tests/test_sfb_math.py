@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import workers
-from poseidon_torch.sfb import (
+from poseidon_torch.fc import (
     CREATE_GRAPH,
     FCLayer,
     EngineHook,

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import ModelSpec, batch, build
 from poseidon_torch import PoseidonDDP
+from poseidon_torch.paths import WrappedPath
 
 OPTIMIZER = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
 
@@ -21,7 +22,7 @@ def shard(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 
 def fc_overrides(model: torch.nn.Module, path: str) -> dict[str, str]:
     """Force ``path`` on every FC module (each its own syncer when fusion_bytes=0)."""
-    from poseidon_torch.sfb import fc_spec
+    from poseidon_torch.fc import fc_spec
 
     return {name: path for name, m in model.named_modules() if fc_spec(m) is not None
             and any(p.requires_grad for p in m.parameters(recurse=False))}
@@ -130,14 +131,12 @@ def mismatched_models(rank: int, world_size: int) -> str:
     return "no error"
 
 
-class FailingPath:
+class FailingPath(WrappedPath):
     """A path that fails for one bucket and otherwise does what the path it replaces does."""
 
     def __init__(self, inner, bucket: str) -> None:
-        self.inner, self.bucket, self.name = inner, bucket, inner.name
-
-    def stage(self, bucket, ctx):
-        self.inner.stage(bucket, ctx)
+        super().__init__(inner)
+        self.bucket = bucket
 
     def sync(self, bucket, groups, ctx):
         if bucket.name == self.bucket:
@@ -551,7 +550,7 @@ def exchange_factors_roundtrip(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     from poseidon_torch.pools import Groups
-    from poseidon_torch.sfb import exchange_factors
+    from poseidon_torch.paths.sfb import exchange_factors
 
     groups = Groups.create(dist.group.WORLD, "gloo", 1, timedelta(seconds=30))
     m, n, pad = 3, 2, 2
@@ -841,12 +840,11 @@ def buckets_learned_after_cold_jobs(rank: int, world_size: int, cold_seconds_per
     (slowed on purpose, as a cold first use is), with a fast link model given."""
     from server_workers import watched
 
-    from poseidon_torch.kvstore import PSPath
     from poseidon_torch.link import LinkModel
 
     wrapped = PoseidonDDP(MixedKinds(), timeout=60, hybrid=False, engine="python", fusion_bytes=1 << 20,
                           link=LinkModel(1e-3, 1e-9))
-    ps = wrapped.engine._ps
+    ps = wrapped.engine.paths["PS"]
     warm = ps.__class__
     ps.__class__ = watched(warm, before=lambda phase, bucket: time.sleep(bucket.nbytes * cold_seconds_per_byte)
                            if phase == "network" else None)

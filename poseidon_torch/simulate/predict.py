@@ -9,10 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from ..coordinator import SFB
 from ..link import LinkModel
 from .profile import Profile
-from .schemes import SCHEMES
+from .schemes import ALL_REDUCE, PATHS, SCHEMES
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ class Row:
     throughput_unit: str          #: "samples/s" or "iterations/s" (over all machines)
     exposed_comm_s: float
     bytes_per_machine: float
-    sfb_layers: tuple[str, ...]   #: layers the scheme syncs on SFB at this size
+    sfb_layers: tuple[str, ...]   #: layers the scheme syncs off the default path (on SFB) at this size
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,5 +46,6 @@ def predict(profile: Profile, schemes: Iterable[str], hosts: Sequence[int], link
             rows.append(Row(name, n, timeline.iteration_s, n * profile.compute_s / timeline.iteration_s,
                             n * per_iteration / timeline.iteration_s,
                             "samples/s" if profile.samples else "iterations/s", timeline.exposed_s,
-                            timeline.nbytes, tuple(s.job.name for s in timeline.spans if s.job.path == SFB)))
+                            timeline.nbytes, tuple(s.job.name for s in timeline.spans
+                                                   if s.job.path not in (PATHS.default.name, ALL_REDUCE))))
     return rows

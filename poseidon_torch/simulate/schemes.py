@@ -7,28 +7,31 @@ what it costs. The timeline (:mod:`.timeline`) is the same for all of them.
 - ``ps``: a plain parameter server: every layer synced on the PS path after backward (no overlap);
 - ``wfbp``: our PS path per bucket as soon as the bucket is ready (the traced run's buckets, one per
   layer for a profile without them);
-- ``poseidon``: WFBP plus the coordinator's per-layer choice at that number of machines: an FC layer
-  whose SFB sync is predicted cheaper than its PS sync takes SFB as a job of its own (SFB's cost grows
-  with the machines, PS's does not); its factor all-gather uses the link, its rebuild GEMM the
-  compute lane (it runs on the same cores or GPU as the backward);
+- ``poseidon``: WFBP plus the coordinator's per-layer choice at that number of machines: a layer for
+  which a path chosen by cost (``Path.by_cost``, e.g. SFB for an FC layer) is predicted cheaper than
+  the default path takes that path as a job of its own (SFB's cost grows with the machines, PS's does
+  not); its link part uses the link, its compute part (SFB's rebuild GEMM) the compute lane (it runs
+  on the same cores or GPU as the backward);
 - ``<scheme>+delay``: Pipe-SGD (``delay >= 1``): the same jobs, overlapping the next iteration.
 
-Costs come from the coordinator's own formulas (:func:`~poseidon_torch.coordinator.predict_ps`,
-:func:`~poseidon_torch.coordinator.predict_sfb`: the bytes our paths send and the link's alpha-beta
-time), so the simulator predicts what the engine would choose and send. torch DDP's ring all-reduce
+Costs come from the registered paths' own predictions (``Path.predict``: the bytes our paths send and
+the link's alpha-beta time, which the coordinator chooses with), so the simulator predicts what the
+engine would choose and send. torch DDP's ring all-reduce
 sends 2(P-1)/P of the bucket in 2(P-1) steps.
 """
 from __future__ import annotations
 
 from ..bucket import flat_numel
-from ..coordinator import PS, SFB, predict_ps, predict_sfb, sfb_rebuild_seconds
 from ..link import LinkModel
+from ..paths import BucketCost, FCCost, Paths, Prediction
 from .profile import LayerProfile, Profile
 from .timeline import Job, Timeline, bsp, pipelined
 
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 DDP_BUCKET_BYTES = 25 << 20
 ALL_REDUCE = "all-reduce"
+#: the registered paths, to predict with
+PATHS = Paths.for_costing()
 
 
 class Scheme:
@@ -90,26 +93,29 @@ class Poseidon(WFBP):
                     link: LinkModel) -> list[Job]:
         jobs, rest = [], []
         for layer in group:
-            sfb = self.sfb_cost(layer, profile, hosts, link)
-            if sfb is None:
+            chosen = self.cheaper_path(layer, profile, hosts, link)
+            if chosen is None:
                 rest.append(layer)
-            else:
-                sent, seconds = sfb
-                fc = layer.fc
-                rebuild = sfb_rebuild_seconds(fc.k, fc.m, fc.n, hosts, profile.gemm_flops)
-                jobs.append(Job(layer.name, index[layer.name], seconds - rebuild, sent, SFB, rebuild))
+                continue
+            path, predicted = chosen
+            jobs.append(Job(layer.name, index[layer.name], predicted.seconds - predicted.compute_s, predicted.bytes,
+                            path, predicted.compute_s))
         if rest:
             jobs.append(_ps_job(rest, index[rest[-1].name], hosts, profile.element_size, link))
         return sorted(jobs, key=lambda job: job.after)
 
     @staticmethod
-    def sfb_cost(layer: LayerProfile, profile: Profile, hosts: int, link: LinkModel) -> tuple[float, float] | None:
-        """(bytes, seconds) of the layer's SFB sync where the coordinator would choose it, else None."""
-        if layer.fc is None or profile.gemm_flops is None:
-            return None
-        fc = layer.fc
-        sfb = predict_sfb(fc.k, fc.m, fc.n, profile.element_size, hosts, link, profile.gemm_flops)
-        return sfb if sfb[1] < predict_ps(layer.nbytes, hosts, link)[1] else None
+    def cheaper_path(layer: LayerProfile, profile: Profile, hosts: int, link: LinkModel) -> tuple[str, Prediction] | None:
+        """The path the coordinator would choose for the layer alone by cost, and its prediction, where
+        it beats the default path's sync; else None."""
+        fc = FCCost(layer.fc.m, layer.fc.n, layer.fc.k, profile.element_size) if layer.fc is not None else None
+        cost = BucketCost(layer.nbytes, layer.nbytes, fc)
+        best, best_seconds = None, PATHS.default.predict(cost, hosts, link, profile.gemm_flops).seconds
+        for path in PATHS.values():
+            predicted = path.predict(cost, hosts, link, profile.gemm_flops) if path.by_cost and path.exact else None
+            if predicted is not None and predicted.seconds < best_seconds:
+                best, best_seconds = (path.name, predicted), predicted.seconds
+        return best
 
 
 class Delayed(Scheme):
@@ -125,10 +131,11 @@ class Delayed(Scheme):
 
 
 def _ps_job(layers: list[LayerProfile], after: int, hosts: int, element_size: int, link: LinkModel) -> Job:
-    """One PS sync of ``layers`` as one bucket: its flat buffer, gradients and flags."""
+    """One sync of ``layers`` as one bucket on the default path: its flat buffer, gradients and flags."""
     numel = flat_numel(sum(layer.nbytes for layer in layers) // element_size, sum(layer.tensors for layer in layers))
-    sent, seconds = predict_ps(numel * element_size, hosts, link)
-    return Job("+".join(layer.name for layer in layers), after, seconds, sent, PS)
+    nbytes = numel * element_size
+    predicted = PATHS.default.predict(BucketCost(nbytes, nbytes), hosts, link, None)
+    return Job("+".join(layer.name for layer in layers), after, predicted.seconds, predicted.bytes, PATHS.default.name)
 
 
 SCHEMES: dict[str, Scheme] = {scheme.name: scheme for scheme in

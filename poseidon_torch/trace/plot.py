@@ -11,27 +11,32 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from ..paths import REGISTERED  # noqa: E402
 from .files import PathLike, ordered_lanes  # noqa: E402
 from .spans import COMM_KINDS, Span  # noqa: E402
 from .summary import NS_PER_MS, iterations_of  # noqa: E402
 
+#: the network spans' colour of each registered path, in registration order
+PATH_COLORS = ("#c44e52", "#8172b2", "#8c613c", "#2ca02c", "#17becf")
 #: Bar style per drawn span: (legend label, face colour or None for an outline, bar height in lane units).
 STYLES = {
     "forward": ("forward", "#4c72b0", 0.8),
     "backward": ("backward", "#55a868", 0.8),
     "queue": ("queued", "#ccb974", 0.5),
     "gather": ("gather into send buffer", "#64b5cd", 0.5),
-    "rebuild": ("SFB rebuild (GEMM)", "#da8bc3", 0.5),
+    "rebuild": ("rebuild (GEMM)", "#da8bc3", 0.5),
     "update": ("optimizer step at a shard", "#8c8c8c", 0.5),
     "scatter": ("scatter into .grad", "#dd8452", 0.5),
-    "network PS": ("network, PS", "#c44e52", 0.5),
-    "network SFB": ("network, SFB", "#8172b2", 0.5),
+    **{f"network {path.name}": (f"network, {path.name}", color, 0.5) for path, color in zip(REGISTERED, PATH_COLORS)},
     "network": ("network, other path", "#937860", 0.5),
     "sync": ("sync job", None, 0.8),
     "pull": ("update and pull (split job)", None, 0.8),
     "iteration": ("iteration", "#e3e3e3", 0.96),
     "wait": ("training thread waits on the sync", "#222222", 0.3),
 }
+#: a path's own phases, in its words (a phase no style knows is drawn as "other")
+STYLES.update({phase: (label, *STYLES.get(phase, STYLES["network"])[1:])
+               for path in REGISTERED for phase, label in path.phase_labels.items()})
 
 
 def plot_timeline(spans_by_rank: dict[int, list[Span]], out_path: PathLike, iteration: int | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Sharded key-value store colocated with the workers: Poseidon's parameter-server path (``PSPath``).
+"""Sharded key-value store colocated with the workers: Poseidon's parameter-server path (``PSPath``),
+the default path (every bucket starts on it; the others fall back to it).
 
 The gradient space (every bucket's flat buffer, in bucket order) is cut into chunks of at most
 ``chunk_bytes`` (2 MB by default), dealt round-robin over the shards (one shard per rank). Chunks never
@@ -15,10 +16,11 @@ Each phase runs in P - 1 staggered rounds (round i: send to rank + i, receive fr
 carries two flows at once: without it, P - 1 pushes converge on an owner's link at the same moment, which
 overflows a shaped switch queue and stalls TCP on retransmission timeouts.
 
-With a ServerOptimizer (``server.py``) the owner also applies the update between aggregation and pull,
-so the pull carries parameter values; for that, every rank also sends its used and aborted flags to
-each owner (``flags_to_owners``), and optimizers that read whole parameters get chunks aligned to them
-(``aligned``).
+With a ServerOptimizer the owner also applies the update between aggregation and pull (``update.py``:
+:meth:`PSPath.reduce` stops after the aggregation), so the pull carries parameter values; for that,
+every rank also sends its used and aborted flags to each owner (``flags_to_owners``), and optimizers
+that read whole parameters get chunks aligned to them (``aligned``). The shards of the parameter
+server are these chunks.
 
 The message schedule of a bucket (every send, receive and add, as views of its flat buffer and of the
 owner's receive buffers) is computed once, when the bucket is built. Bytes sent by one rank for a chunk of
@@ -29,17 +31,21 @@ one computed).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .bucket import Bucket
-from .pools import ChannelGroups
+from ..bucket import Bucket, JobCost
+from ..link import LinkModel
+from ..pools import ChannelGroups
+from .base import AtOwners, BucketCost, Path, PathEnv, Prediction, SyncContext
 
 #: A point-to-point message: (True to send or False to receive, tensor, peer's rank, tag).
 Message = tuple[bool, torch.Tensor, int, int]
 
+#: The size of the pieces the gradient space is cut into (``PoseidonDDP(chunk_bytes=...)``).
+DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 #: No chunk smaller than this is cut off a bucket just to spread it: tiny messages are latency-bound.
 MIN_CHUNK_BYTES = 16 * 1024
 
@@ -105,6 +111,12 @@ def ps_messages(world_size: int) -> int:
     return 2 * (world_size - 1)
 
 
+def predict_ps(nbytes: float, world_size: int, link: LinkModel) -> tuple[float, float]:
+    """(bytes per rank, seconds) of one PS sync of a flat buffer of ``nbytes``."""
+    sent = ps_bytes_per_rank(nbytes, world_size)
+    return sent, link.seconds(sent, ps_messages(world_size))
+
+
 @dataclass
 class Schedule:
     """Every message and add of one bucket's sync, precomputed."""
@@ -120,14 +132,16 @@ class Schedule:
     pull_bytes: int = 0  #: of which the pull
 
 
-class PSPath:
+class PSPath(Path):
     """The sharded KV store's sync of one bucket: gather, push, aggregate, pull (the engine scatters)."""
 
     name = "PS"
+    native = True
+    reduces_at_owners = True
 
-    def __init__(self, rank: int, world_size: int, chunk_bytes: int) -> None:
-        self.rank, self.world_size = rank, world_size
-        self.chunk_bytes = chunk_bytes
+    def __init__(self, env: PathEnv) -> None:
+        super().__init__(env)
+        self.chunk_bytes = env.chunk_bytes
         #: chunks of whole parameters (:func:`plan_aligned_chunks`) instead of cut anywhere
         self.aligned = False
         #: every rank also pushes its used and aborted flags to each owner of a chunk of the bucket, so
@@ -135,6 +149,20 @@ class PSPath:
         self.flags_to_owners = False
         self._schedules: dict[int, Schedule] = {}
         self._chunks: dict[int, list[Chunk]] = {}
+
+    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None) -> Prediction:
+        return Prediction(*predict_ps(cost.nbytes, world_size, link))
+
+    def predict_pull(self, nbytes: float, world_size: int, link: LinkModel) -> Prediction:
+        """The pull alone (the owners' new values of ``nbytes``, after an update at the owners)."""
+        pulled = ps_bytes_per_rank(nbytes, world_size) / 2
+        return Prediction(pulled, link.seconds(pulled, world_size - 1))
+
+    def job_cost(self, link: LinkModel) -> JobCost:
+        """Seconds per job of a bucket of n bytes by the link model: its latency per message round, its
+        bandwidth for the bytes a job sends per rank."""
+        size = self.world_size
+        return JobCost(link.alpha_s * ps_messages(size), link.beta_s_per_byte * 2 * (size - 1) / size)
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
         """Deal the chunks of ``buckets`` over the shards and compute every bucket's schedule."""
@@ -159,9 +187,9 @@ class PSPath:
     def pull_bytes(self, bucket: Bucket) -> int:
         return self._schedules[id(bucket)].pull_bytes
 
-    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
-        """Average ``bucket``'s gradients over all ranks; yields the phases as they begin. ``ctx``
-        (the engine's SyncContext) says whether this rank's backward was aborted or it has joined."""
+    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, bool]:
+        """Average ``bucket``'s gradients over all ranks; yields the phases as they begin. ``ctx`` says
+        whether this rank's backward was aborted or it has joined."""
         yield "network"  # staged when it was submitted (core.py)
         self.average(bucket, groups)
         bucket.bytes_sent = self.bytes_sent(bucket)
@@ -170,10 +198,16 @@ class PSPath:
             return False
         return bucket.read_flags()  # the engine scatters the averages when the backward ends
 
-    def stage(self, bucket: Bucket, ctx) -> None:
-        """What this path's job will read of the rank's gradients, into the flat buffer, before the job is
-        queued (see :meth:`Bucket.stage`)."""
-        bucket.stage(ctx.aborted, ctx.shadow)
+    def reduce(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, AtOwners]:
+        """Push and aggregate: each owner holds its chunks' averages and every rank's flags (the pull
+        follows the update, ``update.py``)."""
+        yield "network"  # staged when it was submitted (core.py)
+        self.push(bucket, groups)
+        flags = self.owner_flags(bucket)
+        self.aggregate(bucket)
+        bucket.bytes_sent = self.bytes_sent(bucket) - self.pull_bytes(bucket)
+        bucket.outcome = self.name
+        return AtOwners(flags)
 
     def average(self, bucket: Bucket, groups: ChannelGroups) -> None:
         """Push, aggregate and pull ``bucket.flat`` in place (the network part of a sync)."""

@@ -1,33 +1,30 @@
-"""Sufficient-factor broadcasting (SFB) for fully connected layers.
+"""Fully connected layers and their sufficient factors: what a factor path (``paths/sfb.py``) syncs.
 
 For an FC layer ``y = x W^T + b`` (W is M x N) the weight gradient over K samples is ``dW = U^T V`` with
-U (K x M) the output gradients and V (K x N) the inputs, and ``db = U.sum(0)``. Instead of the M x N
-gradient, every rank all-gathers the (U, V) of all ranks and rebuilds the exact average with one GEMM.
+U (K x M) the output gradients and V (K x N) the inputs, and ``db = U.sum(0)``. A factor path moves
+the (U, V) of every rank instead of the M x N gradient and rebuilds the exact average with one GEMM
+(:func:`rebuild_gradients`).
 
 Parts:
-- the registry of FC module classes (:func:`register_fc`, :func:`fc_spec`);
-- :class:`FCLayer`: one FC module's calls. When the coordinator *commits* the layer to SFB for a round
-  of forwards, each call inside the wrapper's synced forward sees its weight and bias swapped for
-  detached stand-ins, so autograd skips the local weight-gradient GEMM; the call's input V is kept and
-  its output gradient U recorded when backward reaches it. A stand-in *witness* leaf (the detached bias,
-  or a zero added to the output) is accumulated by autograd exactly once per backward, after every
+- the registry of FC module classes (:func:`register_fc`, :func:`fc_spec`), and which layers can take a
+  factor path at all (:func:`fc_eligible`);
+- :class:`FCLayer`: one FC module's calls. When the coordinator *commits* the layer to a factor path for
+  a round of forwards, each call inside the wrapper's synced forward sees its weight and bias swapped
+  for detached stand-ins, so autograd skips the local weight-gradient GEMM; the call's input V is kept
+  and its output gradient U recorded when backward reaches it. A stand-in *witness* leaf (the detached
+  bias, or a zero added to the output) is accumulated by autograd exactly once per backward, after every
   reached call has its U: that is the layer's readiness, and it happens only in backward passes that
-  accumulate (never in ``torch.autograd.grad``);
-- :class:`SFBPath`: the sync of a one-layer bucket: all-gather every rank's factors with a header,
-  rebuild, add the average to ``.grad``.
+  accumulate (never in ``torch.autograd.grad``).
 
-Invariants (SFB only where it is exact):
-- the rebuild *adds* the average to ``.grad``, which then holds only the previous, already synced value
-  (identical on every rank), so every rank computes the same bits;
+Invariants (factors only where they are exact):
 - a rank whose local gradient is not exactly its captured factors (a use of W or b outside the captured
   calls: a penalty term, a call outside the wrapper's forward, checkpoint recomputation; local no_sync
-  accumulation; a call that was not detached; user hooks on W or b) says so in the header, and every
-  rank then sends the layer through the PS path for this pass, with each rank's full local gradient
-  (the factors' part added to the staged ``.grad`` in the flat buffer, the user's tensor hooks applied
-  to it; ``.grad`` itself is written only by the engine, on the training thread): exact in every case;
+  accumulation; a call that was not detached; user hooks on W or b) can tell (:meth:`FCLayer.exact_locally`),
+  and the layer's *sticky* facts (``CREATE_GRAPH`` and friends) keep it off factors for good;
 - a backward with ``create_graph=True`` through a detached call cannot be exact (the higher-order
   gradient of W is lost) and raises at once; layers seen in such a pass are never committed;
-- factors travel in the parameter's dtype and the rebuild runs in fp32;
+- the rebuild runs in fp32; the rebuilt average is held (:attr:`FCLayer.average`) until the engine adds it
+  to ``.grad`` on the training thread: a sync job never writes ``.grad``;
 - copies of the module (``copy.deepcopy``, pickling) get inert hooks.
 """
 from __future__ import annotations
@@ -40,8 +37,6 @@ from torch import Tensor, nn
 
 from .bucket import USED, Bucket, Layer
 from .graph import grad_accumulator, hook_target
-from .kvstore import PSPath
-from .pools import ChannelGroups
 
 @dataclass(frozen=True)
 class FCSpec:
@@ -99,75 +94,8 @@ def fc_spec(module: nn.Module) -> FCSpec | None:
 register_fc(nn.Linear)
 
 
-
-register_fc(nn.Linear)
-
-
 def _bias_of(module: nn.Module, spec: FCSpec) -> Tensor | None:
     return getattr(module, spec.bias) if spec.bias is not None else None
-
-
-# ---- the wire format of one rank's factors --------------------------------------------------------
-
-HEADER = ("rows", "exact", "aborted")  # int64 fields before the factors
-_HEADER_BYTES = 8 * len(HEADER)
-
-
-def block_bytes(k: int, m: int, n: int, element_size: int) -> int:
-    """Bytes of one rank's block: the header, then K rows of [U | V], padded to a multiple of 8."""
-    return -(-(_HEADER_BYTES + k * (m + n) * element_size) // 8) * 8
-
-
-def sfb_bytes_per_rank(k: int, m: int, n: int, world_size: int, element_size: int = 4) -> int:
-    """Bytes one rank sends in one factor all-gather padded to K rows: a ring all-gather of P blocks
-    sends P - 1 blocks per rank."""
-    return (world_size - 1) * block_bytes(k, m, n, element_size)
-
-
-def sfb_messages(world_size: int) -> int:
-    """Sequential ring steps of the one all-gather."""
-    return world_size - 1
-
-
-@dataclass
-class Gathered:
-    """Every rank's header and factors after an all-gather, rows in rank order, padding stripped."""
-
-    headers: list[dict[str, int]]
-    u: Tensor  # (sum K) x M
-    v: Tensor  # (sum K) x N
-    bytes_sent: int
-
-
-def exchange_factors(header: dict[str, int], u: Tensor, v: Tensor, k_pad: int, groups: ChannelGroups,
-                     wire_device: torch.device) -> Gathered:
-    """All-gather every rank's (header, U, V) in one collective, each block padded to ``k_pad`` rows
-    (a rank with more rows sends the first ``k_pad``; its header says how many it has, so the caller
-    can exchange again with room for all)."""
-    world_size = groups.size
-    (k, m), n = u.shape, v.shape[1]
-    nbytes = block_bytes(k_pad, m, n, u.element_size())
-    block = torch.zeros(nbytes, dtype=torch.uint8, device=wire_device)
-    block[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor([header[f] for f in HEADER]))
-    rows = min(k, k_pad)
-    payload = _payload(block, k_pad, m + n, u.dtype)
-    payload[:rows, :m] = u[:rows]
-    payload[:rows, m:] = v[:rows]
-    everyone = torch.empty(world_size * nbytes, dtype=torch.uint8, device=wire_device)
-    groups.all_gather(everyone, block)
-    headers, us, vs = [], [], []
-    for r in range(world_size):
-        own = everyone[r * nbytes:(r + 1) * nbytes]
-        fields = own[:_HEADER_BYTES].view(torch.int64).tolist()
-        headers.append(dict(zip(HEADER, fields)))
-        data = _payload(own, k_pad, m + n, u.dtype)[:min(fields[0], k_pad)]
-        us.append(data[:, :m])
-        vs.append(data[:, m:])
-    return Gathered(headers, torch.cat(us), torch.cat(vs), (world_size - 1) * nbytes)
-
-
-def _payload(block: Tensor, rows: int, width: int, dtype: torch.dtype) -> Tensor:
-    return block[_HEADER_BYTES:_HEADER_BYTES + rows * width * dtype.itemsize].view(dtype).view(rows, width)
 
 
 def rebuild_gradients(u_all: Tensor, v_all: Tensor, world_size: int, spec: FCSpec) -> tuple[Tensor, Tensor]:
@@ -182,7 +110,7 @@ def rebuild_gradients(u_all: Tensor, v_all: Tensor, world_size: int, spec: FCSpe
 # ---- one FC module's calls ------------------------------------------------------------------------
 
 #: Sticky facts about a layer, shared with every rank at the end of each pass; any of them on any rank
-#: keeps the layer off SFB for good (the plan never commits it).
+#: keeps the layer off factor paths for good (the plan never commits it).
 CREATE_GRAPH = 1   # a backward with create_graph=True went through a call of the layer
 UNCOVERED = 2      # W or b got gradient from outside the captured calls (penalty, outside call, ...)
 HOOKED = 4         # user hooks on W or b (tensor hooks, or post-accumulate hooks besides the engine's)
@@ -522,66 +450,6 @@ def fc_eligible(layers: list[Layer], model: nn.Module) -> list[Layer]:
         if {id(p) for _, p in layer.params} == {id(p) for p in own} and all(owners[id(p)] == 1 for p in own):
             eligible.append(layer)
     return eligible
-
-
-# ---- the SFB path -----------------------------------------------------------------------------------
-
-class SFBPath:
-    """The sync of a one-layer FC bucket: all-gather the factors, rebuild, add the average."""
-
-    name = "SFB"
-
-    def __init__(self, ps: PSPath, world_size: int, wire_device: torch.device) -> None:
-        self.ps, self.world_size, self.wire_device = ps, world_size, wire_device
-
-    def stage(self, bucket: Bucket, ctx) -> None:
-        """What a fallback to the PS path reads of ``.grad`` (the factors themselves are held by the layer):
-        the ``.grad`` that exist; the zeros of the others only if the fallback happens."""
-        bucket.stage(ctx.aborted, ctx.shadow, defer_zeros=True)
-
-    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx) -> Iterator[str]:
-        """Sync one FC layer's bucket through SFB (``ctx``: the engine's SyncContext, with the pass's
-        backward ``task`` and the rows ``k_pad`` to make room for)."""
-        layer = bucket.fc
-        yield "gather"
-        u, v = layer.local_factors(ctx.task)
-        if ctx.shadow:
-            u, v = u[:0], v[:0]
-        exact = ctx.shadow or (not ctx.aborted and layer.exact_locally(bucket))
-        header = {"rows": u.shape[0], "exact": int(exact), "aborted": int(ctx.aborted)}
-        wire_u, wire_v = u.to(self.wire_device), v.to(self.wire_device)
-        yield "network"
-        got = exchange_factors(header, wire_u, wire_v, ctx.k_pad, groups, self.wire_device)
-        sent = got.bytes_sent
-        if any(h["aborted"] for h in got.headers) or not all(h["exact"] for h in got.headers):
-            # someone's local gradient is more than its factors (or a backward was aborted): every
-            # rank sends its whole local gradient through the PS path instead, exact in every case.
-            # An aborted backward of this rank is drained at the next forward, after the user may
-            # have zeroed .grad: its factors are dropped, as the rest of that backward is.
-            bucket.fill_missing()
-            if not (ctx.shadow or ctx.aborted):
-                layer.add_local(bucket, u, v)
-            layer.consume(ctx.task)
-            synced = yield from self.ps.sync(bucket, groups, ctx)
-            bucket.bytes_sent += sent
-            bucket.outcome = "SFB->PS"
-            return synced
-        k_max = max(h["rows"] for h in got.headers)
-        if k_max > ctx.k_pad:  # more rows than last pass: again, with room for all
-            got = exchange_factors(header, wire_u, wire_v, k_max, groups, self.wire_device)
-            sent += got.bytes_sent
-        bucket.bytes_sent = sent
-        bucket.outcome = self.name
-        for j, p in enumerate(bucket.params):  # a parameter frozen since the layer went on SFB gets nothing
-            bucket.used_anywhere[j] = int(k_max > 0 and p.requires_grad)
-        layer.consume(ctx.task)
-        if ctx.shadow or k_max == 0:  # no rank used the layer: its gradients stay untouched, as in DDP
-            return k_max > 0
-        yield "rebuild"
-        # on the layer's device (a GPU rebuilds on the channel's side stream, not on the sync thread's CPU)
-        layer.average = rebuild_gradients(got.u.to(bucket.device), got.v.to(bucket.device), self.world_size,
-                                          layer.spec)
-        return True
 
 
 def _captured_by_autograd_grad(node) -> bool:
