@@ -14,7 +14,7 @@ buckets still sync each piece's gradients as soon as its backward ends). Invaria
   wrapper (``torch.compile(PoseidonDDP(model))``) compiles the module underneath, as
   ``PoseidonDDP(torch.compile(model))`` does; no graph break comes from the engine;
 - the FC layers' capture hooks and the lazy-pull waits do nothing inside a compiled graph (an FC layer
-  whose calls were compiled is never committed to SFB: ``sfb.UNSEEN``).
+  whose calls were compiled is never committed to SFB: ``fc.UNSEEN``).
 """
 from __future__ import annotations
 

@@ -50,6 +50,28 @@ class PassFacts:
         return bool(self.aborted_ranks)
 
 
+def checked_overrides(overrides: Mapping[str, str], layer_names: Sequence[str], fc_names: Collection[str],
+                      world_size: int, paths: Mapping[str, Path] | None = None) -> dict[str, str]:
+    """``overrides`` (layer -> path name), refused if one names no layer, no registered path, or a factor
+    path for a layer that is not an FC layer of its own (``fc_names``: those that could take one, at any
+    world size). In a world of one (nothing to gather) a factor path's override means the default path."""
+    paths = paths if paths is not None else Paths.for_costing()
+    default = next(iter(paths))
+    for name, path in overrides.items():
+        if name not in layer_names:
+            raise ValueError(f"an override or plan names {name!r}, which is not a layer: layers are the modules "
+                             "that own trainable parameters (a parameter shared by several modules belongs to the first "
+                             f"that registers it); layers: {sorted(layer_names)}")
+        if path not in paths:
+            raise ValueError(f"override for layer {name!r} must be one of {tuple(paths)}, got {path!r}")
+        if paths[path].factors and name not in fc_names:
+            raise ValueError(f"cannot force {path} on layer {name!r}: it is not an FC layer of its own "
+                             "(see poseidon_torch.register_fc)")
+    if world_size == 1:
+        return {name: default if paths[path].factors else path for name, path in overrides.items()}
+    return dict(overrides)
+
+
 class Coordinator:
     """Owns the plan: which layers leave the default path, and each bucket's path this pass."""
 
@@ -75,21 +97,8 @@ class Coordinator:
         self._warned: set[str] = set()
 
     def check_overrides(self, layer_names: Sequence[str], fc_names: Collection[str]) -> None:
-        """Refuse overrides that name no layer, no registered path, or a factor path for a layer that is not
-        an FC layer of its own (``fc_names``: those that could take one, at any world size)."""
-        for name, path in self.overrides.items():
-            if name not in layer_names:
-                raise ValueError(f"an override or plan names {name!r}, which is not a layer: layers are the modules that own "
-                                 "trainable parameters (a parameter shared by several modules belongs to the first "
-                                 f"that registers it); layers: {sorted(layer_names)}")
-            if path not in self.paths:
-                raise ValueError(f"override for layer {name!r} must be one of {tuple(self.paths)}, got {path!r}")
-            if self.paths[path].factors and name not in fc_names:
-                raise ValueError(f"cannot force {path} on layer {name!r}: it is not an FC layer of its own "
-                                 "(see poseidon_torch.register_fc)")
-        if self.world_size == 1:  # nothing to gather: a script's factor override for P ranks means the default
-            self.overrides = {name: self.default if self.paths[path].factors else path
-                              for name, path in self.overrides.items()}
+        """Refuse bad overrides (:func:`checked_overrides`)."""
+        self.overrides = checked_overrides(self.overrides, layer_names, fc_names, self.world_size, self.paths)
 
     def default_only(self) -> None:
         """Every layer on the default path from now on (ranks on their own clocks take no common step)."""

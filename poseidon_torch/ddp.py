@@ -5,8 +5,12 @@ optimizer stay as they are. When ``backward()`` returns, every trainable paramet
 average over all ranks (BSP). Invariants:
 - construction checks that all ranks have the same parameters and options, then copies rank 0's
   parameters and buffers to every rank; with ``broadcast_buffers`` every synced forward in training mode
-  does it again for buffers (BatchNorm statistics follow rank 0, as in DDP; under Pipe-SGD, with no
-  barrier per step, the other ranks get rank 0's buffers of the synced forward before);
+  does it again for buffers (BatchNorm statistics follow rank 0, as in DDP; under a barrier-free mode
+  such as Pipe-SGD the other ranks get rank 0's buffers of the synced forward before);
+- the engine (``engine.py``) starts at the first grad-enabled forward (or when something asks for it:
+  ``engine``, ``plan``, ``bucket_names``, ``consistency_state_dict()``, ``join()``) with its consistency
+  mode resolved then, once (``modes.resolve``): from ``delay`` and the ``ServerOptimizer`` built on the
+  wrapper before that; nothing changes the mode afterwards;
 - no forward issues a collective that torch DDP would not: a forward under ``no_grad``, inside
   ``no_sync`` or in eval mode issues none, so rank 0 alone may compute an accuracy;
 - ``state_dict()`` / ``load_state_dict()`` carry the ``module.`` prefix exactly as DDP's do;
@@ -38,19 +42,21 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
 from .barrier import SyncError
+from .bucket import find_layers
 from .compat import DDPArguments
 from .compiled import DDP_SPLIT_BYTES, SplitAt, splitting_compiled_graphs
-from .consistency import check_delay, consistency_for
-from .coordinator import Plan, recorded_paths
+from .coordinator import Plan, checked_overrides, recorded_paths
 from .core import native_status
-from .engine import CommStats, Engine
+from .engine import Engine
 from .env import option
+from .fc import fc_eligible, fc_spec
 from .link import LinkModel, default_link, probe_gemm_flops, probe_link
+from .modes import ServerRequest, check_request, delay_option, resolve, sync_nice
 from .paths import names as path_names
 from .paths.ps import DEFAULT_CHUNK_BYTES
 from .pools import Groups, started_at_lower_priority
 from .replicas import BroadcastInFlight, broadcast_from, check_same_model
-from .fc import fc_spec
+from .stats import CommStats
 from .trace import Recorder, TraceConfig
 
 DEFAULT_FUSION_BYTES = 4 * 1024 * 1024
@@ -63,16 +69,16 @@ _WRAPPED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDic
 
 
 class _OpenEngine:
-    """A wrapper's started engine and what closing it needs, apart from the wrapper: a wrapper freed
-    without ``close()`` leaves its engine running (its hooks and threads hold it), so the engine is
-    closed from here at exit instead. Invariant: every instance not closed yet is in ``_OPEN``, in the
-    order the engines started."""
+    """A started wrapper's engine (None until it binds) and what closing it needs, apart from the
+    wrapper: a wrapper freed without ``close()`` leaves its engine running (its hooks and threads hold
+    it), so the engine is closed from here at exit instead. Invariant: every instance not closed yet is
+    in ``_OPEN``, in the order the wrappers started."""
 
-    def __init__(self, wrapper: PoseidonDDP, engine: Engine, recorder: Recorder) -> None:
+    def __init__(self, wrapper: PoseidonDDP, recorder: Recorder) -> None:
         self.wrapper = weakref.ref(wrapper)
-        self.engine = engine
+        self.engine: Engine | None = None
         self.recorder = recorder
-        self.buffers_in_flight: BroadcastInFlight | None = None  #: a barrier-free policy's, see _pipeline_buffers
+        self.buffers_in_flight: BroadcastInFlight | None = None  #: a barrier-free mode's, see _pipeline_buffers
         _OPEN[self] = None
 
     def close(self) -> None:
@@ -80,8 +86,9 @@ class _OpenEngine:
         if self not in _OPEN:
             return
         del _OPEN[self]
-        self._end_buffers_in_flight()
-        self.engine.close()
+        if self.engine is not None:
+            self._end_buffers_in_flight()
+            self.engine.close()
         self.recorder.finish()
         self.recorder.flush()
 
@@ -156,7 +163,7 @@ class Options:
             expect(name, isinstance(getattr(self, name), bool), "True or False")
         expect("link", self.link is None or isinstance(self.link, LinkModel), "a LinkModel or None")
         expect("engine", isinstance(self.engine, str), "a string")
-        check_delay(self.delay)
+        delay_option(self.delay)
 
 
 class PoseidonDDP(nn.Module, Joinable):
@@ -196,7 +203,7 @@ class PoseidonDDP(nn.Module, Joinable):
         delay: Pipe-SGD's k (default 0: BSP). With k >= 1 a synced ``backward()`` returns without
             waiting for its sync, which runs on during the next steps; ``.grad`` then holds the average
             over the ranks of the gradients of k steps earlier (None for the first k steps: torch's
-            optimizers skip those). See ``consistency.py`` and docs/pipe-sgd.md.
+            optimizers skip those). See ``modes/pipe_sgd.py`` and docs/pipe-sgd.md.
     """
 
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
@@ -251,7 +258,10 @@ class PoseidonDDP(nn.Module, Joinable):
         self._require_sync = True
         self._split = SplitAt(option(fusion_bytes, "FUSION_BYTES", int, DDP_SPLIT_BYTES))
         self._engine: Engine | None = None
-        self._open: _OpenEngine | None = None  #: the engine's closing, registered to run at exit
+        self._open: _OpenEngine | None = None  #: started (None: unbound copy, or closed); closed at exit
+        self._request: ServerRequest | None = None  #: what a ServerOptimizer asks of the mode
+        #: the parameters the engine syncs (``id``): every trainable one when the wrapper started
+        self.synced_parameters: set[int] = set()
         self._closed = False
         ddp.note_unneeded(self._group_ranks.index(dist.get_rank()))
         self._start()
@@ -259,15 +269,15 @@ class PoseidonDDP(nn.Module, Joinable):
     # ---- the engine's lifetime -------------------------------------------------------------------
 
     def _start(self) -> None:
-        """Groups, checks, rank 0's state, the engine: collective over the group's members."""
+        """Groups, checks, rank 0's state, the cost model's inputs: collective over the group's members.
+        The engine itself starts later (:meth:`_bind`), with the mode resolved then."""
         _check_materialised(self.module)
         self._take_over_module()
         if self._group is None:
             self._group = _group_over(self._group_ranks)
         options = self.options
         self.rank, self.world_size = dist.get_rank(self._group), dist.get_world_size(self._group)
-        consistency = consistency_for(options.delay)
-        self._groups = started_at_lower_priority(consistency.sync_nice, lambda: Groups.create(
+        self._groups = started_at_lower_priority(sync_nice(options.delay), lambda: Groups.create(
             self._group, self._backend, options.num_channels, timedelta(seconds=options.timeout)))
         check_same_model(self.module, options, self._groups.control)
         device = _single_device(self.module)
@@ -278,16 +288,32 @@ class PoseidonDDP(nn.Module, Joinable):
                            self._staged, 0)
         self._has_buffers = any(True for _ in self.module.buffers())
         self.recorder = Recorder(options.trace, self.rank, self.world_size, self._groups.control.all_gather_objects)
-        link, gemm = self._cost_inputs(device)
-        native = options.engine == "native" and device.type == "cpu" and not native_status()
-        self._engine = Engine(self.module, groups=self._groups, chunk_bytes=options.chunk_bytes,
-                              fusion_bytes=options.fusion_bytes, timeout=options.timeout, staged=self._staged,
-                              recorder=self.recorder, hybrid=options.hybrid, link=link, gemm_flops=gemm,
-                              overrides=dict(options.overrides), native=native,
-                              consistency=consistency)
-        self._open = _OpenEngine(self, self._engine, self.recorder)
+        self._link, self._gemm = self._cost_inputs(device)
+        self._native = options.engine == "native" and device.type == "cpu" and not native_status()
+        layers = find_layers(self.module)
+        self.synced_parameters = {id(p) for layer in layers for _, p in layer.params}
+        self._overrides = checked_overrides(dict(options.overrides), [layer.name for layer in layers],
+                                            [layer.name for layer in fc_eligible(layers, self.module)], self.world_size)
+        self._open = _OpenEngine(self, self.recorder)
         self._announce(device)
         _WRAPPED[self.module] = weakref.ref(self)
+
+    def _bind(self) -> Engine:
+        """Start the engine, its mode resolved now, once (the first grad-enabled forward, or anything that
+        needs the engine first): local, no collective but the mode's own."""
+        options = self.options
+        self._engine = Engine(self.module, groups=self._groups, chunk_bytes=options.chunk_bytes,
+                              fusion_bytes=options.fusion_bytes, timeout=options.timeout, staged=self._staged,
+                              recorder=self.recorder, hybrid=options.hybrid, link=self._link, gemm_flops=self._gemm,
+                              overrides=self._overrides, native=self._native, mode=resolve(options.delay, self._request))
+        self._open.engine = self._engine
+        return self._engine
+
+    def _started_engine(self, what: str) -> Engine:
+        """The engine, started now if need be (``what`` needs it)."""
+        if self._open is None:
+            raise RuntimeError(f"{what} needs a started PoseidonDDP (not closed, not an unbound copy)")
+        return self._engine or self._bind()
 
     def _announce(self, device: torch.device) -> None:
         """Say once per process, on rank 0, which core runs the hot path."""
@@ -295,7 +321,7 @@ class PoseidonDDP(nn.Module, Joinable):
         if _announced or self.rank != 0:
             return
         _announced = True
-        kind = self._engine.core.kind
+        kind = "native" if self._native else "python"
         why = ""
         if kind == "python" and self.options.engine == "native":
             why = f" ({native_status() or f'the native core runs CPU tensors only, these are on {device}'})"
@@ -304,7 +330,7 @@ class PoseidonDDP(nn.Module, Joinable):
     def _take_over_module(self) -> None:
         previous = _WRAPPED.get(self.module)
         previous = previous() if previous is not None else None
-        if previous is not None and previous is not self and previous._engine is not None:
+        if previous is not None and previous is not self and previous._open is not None:
             warnings.warn("PoseidonDDP: this module is already wrapped by a PoseidonDDP that was not closed; "
                           "closing that one (call close() on a wrapper you replace)", stacklevel=3)
             previous.close()
@@ -336,9 +362,11 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for name in ("_engine", "_open", "_groups", "recorder"):
+        for name in ("_engine", "_open", "_groups", "recorder", "_link", "_gemm", "_native", "_overrides"):
             state.pop(name, None)
         state["_group"] = None  # a copy makes its own group over the same ranks when it starts
+        state["_request"] = None  # and has no ServerOptimizer
+        state["synced_parameters"] = set()
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -350,13 +378,14 @@ class PoseidonDDP(nn.Module, Joinable):
     @property
     def plan(self) -> Plan | None:
         """Per bucket: type, shape, K, path, predicted bytes and time of each path (``print`` it)."""
-        engine = self._engine
+        engine = self.engine
         return engine.coordinator.plan(engine.buckets) if engine is not None else None
 
     @property
     def engine(self) -> Engine | None:
-        """The wait-free backprop engine (buckets, paths, coordinator); None while unbound."""
-        return self._engine
+        """The wait-free backprop engine (buckets, paths, coordinator, mode), started now if need be; None
+        while unbound or once closed."""
+        return self._engine or (self._bind() if self._open is not None else None)
 
     @property
     def comm_stats(self) -> CommStats:
@@ -365,7 +394,8 @@ class PoseidonDDP(nn.Module, Joinable):
     @property
     def bucket_names(self) -> list[str]:
         """The buckets in sync order: learned from the first backward."""
-        return [b.name for b in self._engine.buckets] if self._engine is not None else []
+        engine = self.engine
+        return [b.name for b in engine.buckets] if engine is not None else []
 
     @torch.compiler.disable(recursive=False)  # only the module underneath compiles, see compiled.py
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -383,8 +413,10 @@ class PoseidonDDP(nn.Module, Joinable):
         """The engine's side of a forward before the module runs (None: run the module locally)."""
         self._refuse_outer_ddp()
         synced = torch.is_grad_enabled() and self._require_sync
-        if synced and self._engine is None and not self._closed:
+        if synced and self._open is None and not self._closed:
             self._start()  # an unbound copy (deepcopy, unpickled) that is trained
+        if torch.is_grad_enabled() and self._engine is None and self._open is not None:
+            self._bind()
         engine = self._engine
         if engine is None:
             return None
@@ -433,7 +465,7 @@ class PoseidonDDP(nn.Module, Joinable):
         code = _SYNC * synced + _BUFFERS * (synced and self._syncs_buffers())
         if not (self._join_config.enable or code & _BUFFERS):
             return
-        if code & _BUFFERS and self._engine.consistency.barrier_free:  # join() is refused with these
+        if code & _BUFFERS and self._engine.mode.barrier_free:  # join() is refused with these
             self._pipeline_buffers()
             return
         with self.recorder.waiting("forward collectives"):
@@ -457,7 +489,7 @@ class PoseidonDDP(nn.Module, Joinable):
                                             partial(landing.land, self.module.buffers()))
 
     def _syncs_buffers(self) -> bool:
-        lockstep = self._engine is None or self._engine.consistency.lockstep  # SSP: ranks on their own clocks
+        lockstep = self._engine is None or self._engine.mode.lockstep  # SSP: ranks on their own clocks
         return (self.options.broadcast_buffers and self.module.training and self.world_size > 1 and self._has_buffers
                 and lockstep)
 
@@ -470,16 +502,29 @@ class PoseidonDDP(nn.Module, Joinable):
             source = int(candidate)
         broadcast_from(list(self.module.buffers()), self._groups.data, self._staged, source)
 
-    def attach_server(self, optimizer: Any) -> None:
-        """Parameter-server mode (called by :class:`~poseidon_torch.ServerOptimizer`; collective)."""
-        if self._engine is None:
+    def attach_server(self, request: ServerRequest, described: dict[str, object]) -> None:
+        """Parameter-server mode, asked by a :class:`~poseidon_torch.ServerOptimizer` (collective): its
+        ``request`` (``described``: what every rank must agree on) becomes the mode when the engine
+        starts, so the optimizer must be built before the engine starts."""
+        if self._open is None:
             raise RuntimeError("ServerOptimizer needs a started PoseidonDDP (not closed, not an unbound copy)")
         if self._join_config.enable:
             raise RuntimeError("ServerOptimizer cannot be used inside join() (uneven inputs) yet")
-        if self.options.delay:
-            raise RuntimeError(f"PoseidonDDP(delay={self.options.delay}) delays the averaged gradients of the "
-                               "default mode; a ServerOptimizer on it is not supported yet")
-        self._engine.attach_server(optimizer)
+        if self._request is not None:
+            raise RuntimeError("this PoseidonDDP already has a ServerOptimizer")
+        if self._engine is not None:
+            raise RuntimeError("build the ServerOptimizer before the model's first forward (and before anything that "
+                               "starts its engine: .engine, .plan, .bucket_names, consistency_state_dict()): the "
+                               "consistency mode is chosen once, when the engine starts, and this one has started")
+        everyone = self._groups.control.all_gather_objects(described)
+        for rank, other in enumerate(everyone):
+            differing = "; ".join(f"{key}: {value!r} vs {other[key]!r}" for key, value in everyone[0].items()
+                                  if other[key] != value)
+            if differing:
+                raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank}: {differing}")
+        check_request(self.options.delay, dict(self.options.overrides),
+                      {p.device.type for p in self.module.parameters()}, request)
+        self._request = request
 
     def synchronize(self) -> None:
         """In parameter-server mode: wait until every parameter holds the value of the last step (the
@@ -494,18 +539,17 @@ class PoseidonDDP(nn.Module, Joinable):
         engine = self._started_engine("consistency_state_dict()")
         engine.settle()
         names = {id(p): name for name, p in self.module.named_parameters()}
-        return engine.consistency.state_dict(names)
+        state = engine.mode.state_dict(names)
+        paths = {name: kept for name, path in engine.paths.items() if (kept := path.state_dict())}
+        return {**state, "paths": paths} if paths else state
 
     def load_consistency_state_dict(self, state: dict) -> None:
         """Restore what :meth:`consistency_state_dict` saved (before the first step of the resumed run)."""
         engine = self._started_engine("load_consistency_state_dict()")
         engine.settle()
-        engine.consistency.load_state_dict(state, dict(self.module.named_parameters()))
-
-    def _started_engine(self, what: str) -> Engine:
-        if self._engine is None:
-            raise RuntimeError(f"{what} needs a started PoseidonDDP (not closed, not an unbound copy)")
-        return self._engine
+        engine.mode.load_state_dict(state, dict(self.module.named_parameters()))
+        for name, kept in (state.get("paths", {}) if isinstance(state, dict) else {}).items():
+            engine.paths[name].load_state_dict(kept)
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -534,11 +578,10 @@ class PoseidonDDP(nn.Module, Joinable):
         every rank takes the model of the last rank to finish."""
         if not divide_by_initial_world_size:
             raise ValueError("PoseidonDDP.join supports divide_by_initial_world_size=True only")
-        if self._engine is not None and self._engine.server is not None:
-            raise RuntimeError("join() (uneven inputs) is not supported with a ServerOptimizer yet")
-        if self.options.delay:
-            raise RuntimeError(f"join() (uneven inputs) is not supported with delay={self.options.delay} (Pipe-SGD) "
-                               "yet: give every rank the same number of batches (DistributedSampler(drop_last=True))")
+        if self._open is None and not self._closed:
+            self._start()  # an unbound copy: started (collectively) for its mode
+        if self._open is not None:
+            self._started_engine("join()").mode.refuse_join()
         return Join([self], enable, throw_on_early_termination)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -580,7 +623,7 @@ class _JoinHook(JoinHook):
         if code & _BUFFERS:
             ddp._sync_buffers(joined=True)
         if code & _SYNC:
-            ddp._engine.shadow_pass()
+            ddp._started_engine("join()").shadow_pass()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp

@@ -1,7 +1,9 @@
-"""Wait-free backpropagation: hooks -> ready -> channel -> ``path.sync(bucket)`` -> barrier.
+"""Wait-free backpropagation: hooks -> ready -> channel -> a bucket's job -> barrier.
 
 The engine owns the per-iteration state machine, in one place; the *core* (``core.py``, Python or
-native) owns what happens per parameter and per bucket inside a pass.
+native) owns what happens per parameter and per bucket inside a pass; the *paths* (``paths/``) move a
+bucket's gradient; the *mode* (``modes/``), resolved once before the engine starts, decides what happens
+at the state machine's fixed points. The engine names no path and no mode.
 - a *synced forward* is the wrapper's forward with grad enabled, outside ``no_sync``. It joins the
   current *round* (the synced forwards since the last synced backward; a new round begins at the first
   synced forward after one) and hangs a gradient hook on its outputs: the decision travels with the
@@ -12,27 +14,22 @@ native) owns what happens per parameter and per bucket inside a pass.
   not yet backpropagated. A pass that is not synced is local: what it accumulates is marked dirty and
   is synced by the next synced pass (the no_sync session);
 - in a synced pass every bucket is synced exactly once: when all its gradients (or, for an FC layer on
-  SFB, its factors) are ready, else when the pass ends. At its end, queued on the autograd engine, the
-  pass exchanges its facts (see the coordinator) while the last jobs run and waits for every job (BSP
-  barrier), so ``backward()`` returns only when every sync is done;
+  a factor path, its factors) are ready, else when the pass ends. At its end, queued on the autograd
+  engine, the pass exchanges its facts (see the coordinator) while the last jobs run and waits for every
+  job (the barrier), so ``backward()`` returns only when every sync is done;
 - a pass that never reached its end (an exception in backward) is found open by the next forward,
   which finishes it as *aborted*: every remaining bucket still runs its collectives, so all ranks stay
   in step, but nothing is written back, and a peer that did finish its backward raises a
   ``SyncError`` saying so instead of waiting for a timeout;
 - ``torch.autograd.grad`` never starts a sync: it accumulates nothing;
-- in parameter-server mode (a ServerOptimizer) the jobs apply the update and carry new values; once the
-  buckets are learned, a pass is *deferred*: ``backward()`` returns while its jobs run, each layer's
-  forward pre-hook waits for its bucket and copies its values in, and the pass *settles* (every job
-  done, every value applied, closed) at the end of the next synced forward or at ``step()``;
-- a deferring policy (Pipe-SGD) defers every clean pass the same way; one that ``settles_in_next_pass``
-  settles it as late as it can: when the next synced pass opens (its first gradient, in the next
-  backward), since that pass needs the core, the buckets and the plan; when it is ``barrier_free`` the
-  pass does not even wait for the facts: they are read when it drains, and a pass in which some ranks,
-  not all, raised (or got a late gradient) ends the engine there, on every rank, with a ``SyncError``
-  naming them (the others had stepped);
-- the consistency policy (``consistency.py``) decides when averages or values become visible; one that
-  is not ``lockstep`` (SSP, asynchronous SGD: ``stale.py``) runs every rank on its own clock, so a pass
-  knows only its own facts (no exchange) and the buckets are fused once, when the mode begins.
+- where the mode ``defers`` a clean pass, ``backward()`` returns while its jobs run and the pass
+  *settles* (every job done, drained, closed) at the end of the next synced forward, or, for a mode that
+  ``settles_in_next_pass``, when the next synced pass opens (its first gradient, in the next backward),
+  since that pass needs the core, the buckets and the plan; a ``barrier_free`` mode does not even wait
+  for the facts: they are read when the pass drains, and a pass in which some ranks, not all, raised (or
+  got a late gradient) ends the engine there, on every rank, with the mode's ``SyncError`` naming them;
+- a mode that is not ``lockstep`` runs every rank on its own clock: a pass knows only its own facts (no
+  exchange) and the buckets are fused once, when the engine starts.
 """
 from __future__ import annotations
 
@@ -49,38 +46,18 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .barrier import SyncError, SyncTimeout
-from .consistency import BSP, Delayed, DelayedValues, LiveGrads
 from .bucket import Bucket, JobCost, Layer, build_buckets, find_layers, group_layers, readiness_order
 from .coordinator import Coordinator, PassFacts
 from .core import NativeCore, PythonCore, raise_outcome
-from .env import flag, option
-from .fc import FCLayer, fc_eligible, fc_layers
+from .fc import FCLayer, fc_layers
 from .graph import hook_target
 from .link import LinkModel, theil_sen
+from .modes import Mode
 from .paths import GradWriter, Path, PathEnv, Paths, SyncContext, drive
-from .paths.update import ServerUpdate
 from .pools import Groups, StreamPool, started_at_lower_priority
-from .schedule import ChannelPlan, Halves, SyncingAtEnd, plan_channels
-from .server import Server, merge_exports
+from .schedule import ChannelPlan, Halves, plan_channels
+from .stats import CommStats
 from .trace import Recorder
-
-#: Before the first backward, neighbouring layers are fused up to this size (the buckets are then
-#: rebuilt from the measured order and timings).
-INITIAL_FUSION_BYTES = 256 * 1024
-
-
-@dataclass
-class CommStats:
-    """Bytes this rank handed to torch.distributed for gradient sync, and sync jobs run."""
-
-    bytes_sent_last_iteration: int = 0
-    bytes_sent_total: int = 0
-    iterations: int = 0
-    jobs_last_iteration: int = 0
-    bytes_by_bucket: dict[str, int] = field(default_factory=dict)
-    bytes_by_path: dict[str, int] = field(default_factory=dict)  #: last iteration; "facts" = the exchange
-    #: last iteration: the path each bucket took (a path's name, or its fallback, e.g. "SFB->PS")
-    outcome_by_bucket: dict[str, str] = field(default_factory=dict)
 
 
 class Round:
@@ -116,15 +93,12 @@ class FactsExchange:
 
 @dataclass(eq=False)
 class Deferred:
-    """A synced pass whose backward returned while its jobs still run (parameter-server mode, Pipe-SGD):
-    the new values of bucket i are applied when ``applied[i]``; the pass closes when it settles. Under a
-    barrier-free policy its ``facts`` are read from ``exchange`` when it drains; ``error``: the pass ends
-    the engine then (some ranks had trouble in it while the others stepped)."""
+    """A synced pass whose backward returned while its jobs may still run; it closes when it settles.
+    Under a barrier-free mode its ``facts`` are read from ``exchange`` when it drains; ``error``: the pass
+    ends the engine then (some ranks had trouble in it while the others stepped)."""
 
     pass_: Pass
     facts: PassFacts | None
-    applied: list[bool]
-    versions: dict[int, int]  #: every parameter's version when backward returned
     exchange: FactsExchange | None = None
     error: SyncError | None = None
     drained: bool = False
@@ -141,25 +115,34 @@ class _Slot:
     halves: Halves | None = None
 
 
+class LiveGrads:
+    """The parameters' ``.grad`` as a closing pass's writer: ``scatter`` is the core's (it also marks the
+    bucket synced)."""
+
+    def __init__(self, scatter: Callable[[Bucket], None]) -> None:
+        self.scatter = scatter
+
+    def add(self, layer: FCLayer, grads: tuple[torch.Tensor, ...]) -> None:
+        layer.add_to_grad(grads)
+
+
 class Engine:
-    """The state machine of passes over a core, the paths that sync buckets, and the bucket plan."""
+    """The state machine of passes over a core, the paths that sync buckets, the bucket plan, and the
+    mode that decides what happens at its fixed points."""
 
     def __init__(self, module: nn.Module, *, groups: Groups, chunk_bytes: int, fusion_bytes: int,
                  timeout: float, staged: bool, recorder: Recorder, hybrid: bool, link: LinkModel,
-                 gemm_flops: float | None, overrides: dict[str, str] | None, native: bool,
-                 consistency: BSP | Delayed | DelayedValues | None = None) -> None:
+                 gemm_flops: float | None, overrides: dict[str, str], native: bool, mode: Mode) -> None:
         self.rank, self.world_size = groups.control.rank, groups.control.size
-        #: when a pass's averages become visible (BSP, or Pipe-SGD's delay): ``consistency.py``
-        self.consistency = consistency or BSP()
+        self.mode = mode  #: the consistency model, for the engine's lifetime (``modes/``)
         self.timeout, self.staged, self.recorder = timeout, staged, recorder
         self.fusion_bytes, self.link = fusion_bytes, link
-        self._control = groups.control
+        self.control = groups.control  #: the wrapper's control collectives (small objects, host tensors)
+        self.module = module
         self._channels = groups.channels
         self._tls = threading.local()
         self._lock = threading.Lock()
         self._settling = threading.Lock()  #: a deferred pass settling on an autograd thread (see _settle_if_opening)
-        self._module = module
-        self._server_hooks: list = []
         self._live = LiveGrads(lambda bucket: self.core.scatter(bucket))
         self.layers = find_layers(module)
         self.params = [p for layer in self.layers for _, p in layer.params]
@@ -167,18 +150,15 @@ class Engine:
         self.fc: dict[str, FCLayer] = {}
         if hybrid and self.world_size > 1:
             self.fc = fc_layers(self.layers, module, self.in_forward, self.in_synced_forward)
-        #: the registered paths by name (``paths/``): ``sync(bucket, groups, ctx)`` yields a job's phases
+        #: the registered paths by name (``paths/``)
         self.paths = Paths.build(PathEnv(self.rank, self.world_size, chunk_bytes,
                                          torch.device("cpu") if staged else device))
         self._default = self.paths.default  #: late gradients are synced again through it; the core runs it
         self.coordinator = Coordinator(self.fc, self.world_size, link, gemm_flops, overrides, self.paths)
-        self.coordinator.check_overrides([layer.name for layer in self.layers],
-                                         [layer.name for layer in fc_eligible(self.layers, module)])
-        self._server_jobs: dict[Path, ServerUpdate] = {}
         self._streams = StreamPool(device, len(self._channels)) if device.type == "cuda" else None
         self._lanes = [f"channel-{i}" for i in range(len(self._channels))]
         make = NativeCore if native and device.type == "cpu" else PythonCore
-        self.core = started_at_lower_priority(self.consistency.sync_nice, lambda: make(
+        self.core = started_at_lower_priority(mode.sync_nice, lambda: make(
             self.params, self._channels, self._run_job, self._on_idle, self._stage, record_order=self.rank == 0))
         for layer in self.fc.values():
             layer.on_factors = self._on_factors
@@ -189,21 +169,17 @@ class Engine:
         self._backward_start_ns = 0  # when the last synced backward reached the outputs
         self._pass: Pass | None = None
         self._jobs_pass: Pass | None = None  #: the pass whose jobs run (or ran last)
-        self._learned = False
-        #: POSEIDON_PULL_PRIORITY=1: lazy pulls of the jobs still syncing at the end of backward run input
-        #: side first (the plan splits them). Off by default: measured no faster here (README)
-        self._pull_priority = option(None, "PULL_PRIORITY", flag, False)
-        self._syncing_at_end = SyncingAtEnd()
+        self._learned = not mode.lockstep  #: ranks on their own clocks cannot learn buckets from a common step
         self._halves: dict[int, _Slot] = {}  #: split jobs whose second slot is due
         self._never_used = {id(p) for p in self.params}  #: by any rank, so far
-        self.server: Server | None = None  #: the parameter-server shards, with a ServerOptimizer
         self._deferred: Deferred | None = None
-        self._buckets_of_module: dict[int, list[int]] = {}
+        self._facts_bytes = 0
         self.stats = CommStats()
         self.failure: SyncError | None = None
         self.closed = False
         self.buckets: list[Bucket] = []
-        groups = group_layers(list(reversed(self.layers)), min(fusion_bytes, INITIAL_FUSION_BYTES),
+        mode.attach(self)
+        groups = group_layers(list(reversed(self.layers)), min(fusion_bytes, mode.first_fusion_bytes),
                               self.coordinator.wanted_solo())
         self._install(build_buckets(groups, staged, self._fc_of))
 
@@ -213,17 +189,13 @@ class Engine:
         """What a simulator needs of this model (:mod:`poseidon_torch.simulate`): the buckets in sync
         order, each layer's parameter bytes and, for an FC layer, its shape and the largest rows per rank
         of the last pass it was watched in (alone in a bucket; a layer never watched has no shape: its K
-        is unknown); the link and GEMM rate the coordinator costs with."""
+        is unknown); what the mode says of its forwards; the link and GEMM rate the coordinator costs with."""
         def describe(layer: Layer) -> dict:
             fc = self.fc.get(layer.name)
             k = self.coordinator.k_known.get(layer.name)
             shape = {"m": fc.m, "n": fc.n, "k": k} if fc is not None and k else None
             return {"name": layer.name, "bytes": layer.nbytes, "tensors": len(layer.params), "fc": shape}
-        lazy = self.server is not None and self.server.facade.lazy_pull
-        return {"element_size": self.params[0].element_size() if self.params else 4,
-                #: a forward of this mode may wait for the network (its span is not compute alone)
-                "forward_waits": self.consistency.defers or not self.consistency.lockstep or lazy,
-                "server": self.server is not None,
+        return {"element_size": self.params[0].element_size() if self.params else 4, **self.mode.layout(),
                 "gemm_flops": self.coordinator.gemm_flops,
                 "link": {"alpha_s": self.link.alpha_s, "beta_s_per_byte": self.link.beta_s_per_byte},
                 "buckets": [{"name": b.name, "layers": [describe(layer) for layer in b.layers]} for b in self.buckets]}
@@ -232,15 +204,15 @@ class Engine:
         return self.fc.get(layer.name)
 
     def _install(self, buckets: list[Bucket]) -> None:
-        """Make ``buckets`` current: the paths' plans, the core's slots and channel schedules (between
-        passes only). Dirty flags carry over."""
+        """Make ``buckets`` current: the paths' plans, the mode's, the core's slots and channel schedules
+        (between passes only). Dirty flags carry over."""
         old = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
         for bucket in buckets:
             for j, p in enumerate(bucket.params):
                 if id(p) in old:
                     previous, i = old[id(p)]
                     bucket.dirty[j] = previous.dirty[i]
-        full_state = self._server_state() if self.server is not None else None
+        self.mode.buckets_changing()
         self.buckets = buckets
         self._slot = {id(p): (b, j) for b in buckets for j, p in enumerate(b.params)}
         self._fc_bucket = {b.fc.name: b for b in buckets if b.fc is not None}
@@ -249,40 +221,22 @@ class Engine:
         self.coordinator.buckets_changed(set(self._fc_bucket), self._learned)
         for path in self.paths.values():
             path.prepare(buckets)
-        self._syncing_at_end.reset()
-        self.plan = self._channel_plan(len(buckets))
-        self.core.install(buckets, self._default, self.plan)
-        if self.server is not None:
-            self.server.install(buckets, self._default, self.rank)
-            self.server.load(full_state)
-            self._buckets_of_module = {}
-            for layer in self.layers:
-                for _, param in layer.params:
-                    index = self._slot[id(param)][0].index
-                    for module in self._modules_of.get(id(param), ()):
-                        indices = self._buckets_of_module.setdefault(id(module), [])
-                        if index not in indices:
-                            indices.append(index)
+        self.mode.buckets_changed(buckets)
+        self._replan()
         self._profile_names = {(b.index, path): f"poseidon.sync.{path}.{b.name}" for b in buckets for path in self.paths}
 
-    def _channel_plan(self, buckets: int) -> ChannelPlan:
-        """Which slots each channel runs. Parameter-server mode splits jobs at the update: every job
-        when the owners clip by the global norm (it needs every push before any update); with lazy
-        pulls, the jobs seen still syncing at the end of backward, so the input side is pulled first."""
-        channels = len(self._channels)
-        if self.server is None:
-            return plan_channels(buckets, channels)
-        if self.server.facade.max_grad_norm is not None:
-            return plan_channels(buckets, channels, range(buckets))
-        tail = self._syncing_at_end.buckets if self._syncing_at_end.final else set()
-        if self.server.facade.lazy_pull and self._pull_priority and len(tail) > 1:
-            return plan_channels(buckets, channels, tail)
-        return plan_channels(buckets, channels)
+    def _replan(self) -> None:
+        """The channel plan again, and the core's slots (between passes): which jobs the mode splits."""
+        self.plan = self._channel_plan(len(self.buckets))
+        self.core.install(self.buckets, self._default, self.plan)
 
-    @property
-    def defers_passes(self) -> bool:
-        """A synced backward may return before its sync is done (parameter-server mode, Pipe-SGD)."""
-        return self.server is not None or self.consistency.defers
+    def _channel_plan(self, buckets: int) -> ChannelPlan:
+        """Which slots each channel runs; the mode says which jobs are cut at their update."""
+        return plan_channels(buckets, len(self._channels), self.mode.split_buckets(buckets))
+
+    def bucket_of(self, param: nn.Parameter) -> Bucket:
+        """The bucket that syncs ``param``."""
+        return self._slot[id(param)][0]
 
     # ---- the training thread: forward ----------------------------------------------------------------
 
@@ -302,7 +256,7 @@ class Engine:
             raise SyncError(f"PoseidonDDP cannot continue after a failed sync: {self.failure}") from self.failure
         if torch.is_grad_enabled():
             self._latest_forward_synced = synced
-        self.consistency.before_forward()
+        self.mode.before_forward()
         if synced and self._round is None:
             self._round = Round(self.recorder.start_iteration())
             for name, layer in self.fc.items():
@@ -339,10 +293,10 @@ class Engine:
 
     def _armed_by(self, round_: Round | None) -> None:
         if self._deferred is not None and round_ is not self._round:  # not through this round's forwards
-            raise RuntimeError("PoseidonDDP: a second synced backward before the next forward: with a ServerOptimizer "
-                               "or delay=k each synced backward is one optimizer step (its sync runs on after it); "
+            raise RuntimeError(f"PoseidonDDP: a second synced backward before the next forward: {self.mode.deferral} "
+                               "each synced backward is one optimizer step (its sync runs on after it); "
                                "accumulate with no_sync() or run one backward per forward")
-        self.consistency.before_backward(self.params)
+        self.mode.before_backward(self.params)
         task = torch._C._current_graph_task_id()
         with self._lock:
             if task in self._armed or round_ is None:
@@ -377,11 +331,11 @@ class Engine:
         self.core.arrive_factors(bucket.index, more)
 
     def _settle_if_opening(self) -> None:
-        """A policy that ``settles_in_next_pass`` (Pipe-SGD) settles its deferred pass here, on the thread
-        about to open the next synced pass, before that pass counts anything (its buckets, the plan and
-        the job slots are the deferred pass's until it closes); outside the lock, which closing takes.
-        Only where a pass opens: every rank settles at the same point of its sequence of collectives."""
-        if self._deferred is None or self.failure is not None or not self.consistency.settles_in_next_pass:
+        """A mode that ``settles_in_next_pass`` settles its deferred pass here, on the thread about to open
+        the next synced pass, before that pass counts anything (its buckets, the plan and the job slots are
+        the deferred pass's until it closes); outside the lock, which closing takes. Only where a pass
+        opens: every rank settles at the same point of its sequence of collectives."""
+        if self._deferred is None or self.failure is not None or not self.mode.settles_in_next_pass:
             return
         with self._lock:
             opening = self._pass is None and self._synced_pass_may_start()
@@ -411,10 +365,9 @@ class Engine:
         p.contexts = [self._context(b, p) for b in self.buckets]
         committed = [b.fc is not None and b.fc.witness is not None for b in self.buckets]
         # the core may run a job itself where it is the native path's own (not a joined rank's shadow job)
-        native_ps = [self._path(ctx.path).native and not shadow for ctx in p.contexts]
-        if self.server is not None:
-            self.server.begin_pass()
-        self.core.begin_pass(committed, native_ps, self._traced(p) is not None)
+        native = [self._job(ctx.path).native and not shadow for ctx in p.contexts]
+        self.mode.pass_opened()
+        self.core.begin_pass(committed, native, self._traced(p) is not None)
         self._pass = self._jobs_pass = p
         if queue_end:
             torch.autograd.Variable._execution_engine.queue_callback(partial(self._task_ended, task))
@@ -441,52 +394,45 @@ class Engine:
     def _finish(self, p: Pass) -> None:
         """Submit what is not yet (parameters some rank did not use); the pass's facts are final now
         (no more gradients will arrive): exchange them while the last jobs run; wait for every job;
-        close the pass. In parameter-server mode (buckets learned) and under a deferring consistency
-        policy (Pipe-SGD), unless something was aborted or late, the jobs go on after ``backward()``
-        returns: the pass is deferred (see :meth:`drain`); a barrier-free policy does not wait for the
-        facts either. Then the policy says what ``.grad`` holds."""
+        close the pass. Where the mode defers a pass, unless something was aborted or late, the jobs go
+        on after ``backward()`` returns: the pass is deferred (see :meth:`drain`); a barrier-free mode
+        does not wait for the facts either. Then the mode says what ``.grad`` holds."""
         self.core.finish(p.aborted)
         for layer, bucket in self._fc_buckets():
             layer.note_pass_end(bucket)
         late_here = [self.core.late(b.index) for b in self.buckets]
         exchange = self._start_facts_exchange(
             self.coordinator.facts(p.aborted, late_here, [not self.core.done(b.index) for b in self.buckets]))
-        may_defer = not p.aborted and (self.server is not None and self._learned or self.consistency.defers)
-        if may_defer and self.consistency.barrier_free and not any(late_here):
+        may_defer = not p.aborted and self.mode.defers(self._learned)
+        if may_defer and self.mode.barrier_free and not any(late_here):
             self._defer(p, None, exchange)
             return
         if not may_defer:
             self._wait_for_jobs(p)
         facts = self._read_facts(p, exchange)
-        split = self._split_pass_error(facts)
+        split = self.mode.split_pass_error(facts)
         if split is not None:  # raised when the pass settles, where the other ranks find it too
             self._wait_for_jobs(p)
             self._defer(p, facts, None, split)
             return
-        if self.server is not None:
-            self.server.facts_known(facts.aborted)
+        self.mode.facts_known(facts.aborted)
         if may_defer and not facts.aborted and not any(facts.late):
             self._defer(p, facts, None)
             return
         if may_defer:
             self._wait_for_jobs(p)
-        if self.server is not None and facts.aborted:
-            self.server.roll_back()
-        if self.server is not None and (not facts.aborted or self.server.keeps_aborted_values):
-            for index in range(len(self.buckets)):
-                self._apply(index)
-            self.consistency.values_taken()
-        self._close(p, facts, self._live)
+        self.mode.jobs_done(facts)
+        self._close(p, facts, self.mode.writer(self._live, settling=False))
         if not (p.aborted or p.shadow):
-            self.consistency.backward_returned(self.buckets, averaged=True)
+            self.mode.backward_returned(self.buckets, averaged=True)
 
     def _start_facts_exchange(self, mine: torch.Tensor) -> FactsExchange:
-        if not self.consistency.lockstep:  # ranks on their own clocks: each pass knows its own facts only
+        if not self.mode.lockstep:  # ranks on their own clocks: each pass knows its own facts only
             self._facts_bytes = 0
             return FactsExchange(mine.repeat(self.world_size))
         everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
         self._facts_bytes = (self.world_size - 1) * mine.numel() * 8
-        return FactsExchange(everyone, self._control.start_small_all_gather(everyone, mine))
+        return FactsExchange(everyone, self.control.start_small_all_gather(everyone, mine))
 
     def _read_facts(self, p: Pass, exchange: FactsExchange) -> PassFacts:
         if exchange.work is not None:
@@ -497,34 +443,15 @@ class Engine:
     def _defer(self, p: Pass, facts: PassFacts | None, exchange: FactsExchange | None,
                error: SyncError | None = None) -> None:
         """``backward()`` returns with ``p``'s jobs (or only its close) still to come: see :meth:`drain`."""
-        self._deferred = Deferred(p, facts, [False] * len(self.buckets), {id(q): q._version for q in self.params},
-                                  exchange, error)
+        self._deferred = Deferred(p, facts, exchange, error)
+        self.mode.deferring()
         with self._lock:
             self._pass = None
             if self._round is p.round:
                 self._round = None
             self._update_ask()
         if error is None:
-            self.consistency.backward_returned(self.buckets, averaged=False)
-
-    def _split_pass_error(self, facts: PassFacts) -> SyncError | None:
-        """Under a barrier-free policy the ranks without trouble in a pass returned from its backward,
-        and stepped, before they could learn of the others' trouble: the pass can then neither be
-        skipped nor have its late gradients averaged on every rank. None unless some ranks, not all,
-        had trouble (or the policy has a barrier)."""
-        troubled = set(facts.aborted_ranks) | set(facts.late_ranks)
-        if not self.consistency.barrier_free or not troubled or len(troubled) == self.world_size:
-            return None
-        if facts.aborted_ranks:
-            what = f"the backward of rank(s) {', '.join(map(str, facts.aborted_ranks))} raised"
-        else:
-            what = (f"a gradient arrived after its bucket's sync on rank(s) {', '.join(map(str, facts.late_ranks))} "
-                    "only (reentrant checkpointing or a hook that runs backward again?)")
-        return SyncError(f"{what} in a step whose backward returned on the other ranks: with "
-                         f"delay={self.consistency.delay} (Pipe-SGD, no barrier per step) they learn of it only "
-                         "now, after their optimizer step, so that step cannot be skipped on every rank and the "
-                         "ranks' parameters may differ. PoseidonDDP cannot continue: resume from a checkpoint "
-                         "(delay=0 skips such a step on every rank)")
+            self.mode.backward_returned(self.buckets, averaged=False)
 
     def _wait_for_jobs(self, p: Pass) -> None:
         """Block until every sync job of ``p`` has run (traced as the training thread's wait)."""
@@ -545,11 +472,11 @@ class Engine:
 
     def _guarded(self, p: Pass, wait) -> None:
         """Run ``wait``; a SyncError ends this engine (collectives may be half issued) and the pass. A
-        timeout says what the consistency policy knows of the peers it waited for."""
+        timeout says what the mode knows of the peers it waited for."""
         try:
             wait()
         except SyncError as exc:
-            hint = self.consistency.diagnosis() if isinstance(exc, SyncTimeout) else ""
+            hint = self.mode.diagnosis() if isinstance(exc, SyncTimeout) else ""
             self.failure = SyncTimeout(f"{exc}; {hint}") if hint else exc
             with self._lock:
                 if self._pass is p:
@@ -558,9 +485,14 @@ class Engine:
                 raise
             raise self.failure from exc
 
-    def _close(self, p: Pass, facts: PassFacts, grads: GradWriter) -> None:
-        """After the barrier: the averages into ``grads``, device ordering, late gradients, learning,
-        stats, tracing."""
+    def fail(self, error: SyncError) -> None:
+        """End the engine with ``error`` (a mode found the step cannot go on), and raise it."""
+        self.failure = error
+        raise error
+
+    def _close(self, p: Pass, facts: PassFacts, grads: GradWriter | None) -> None:
+        """After the barrier: the averages into ``grads`` (None: nothing is written), device ordering,
+        late gradients, learning, stats, tracing."""
         if self._streams is not None:
             for bucket in self.buckets:
                 torch.cuda.current_stream(bucket.device).wait_event(bucket.done_event)
@@ -569,41 +501,42 @@ class Engine:
         if traced is not None:
             self.recorder.add("scatter", "averages", "compute", start, time.monotonic_ns(), traced)
         late = [b for b, is_late in zip(self.buckets, facts.late) if is_late]
-        if late and self.server is not None:
+        refused = self.mode.late_gradients(late) if late else None
+        if refused is not None:
             self._close_pass(p)
-            raise SyncError(f"a gradient of {', '.join(repr(b.name) for b in late)} arrived after the servers applied "
-                            "that bucket's update (reentrant checkpointing or a hook that runs backward again?): "
-                            "the late part was not applied")
+            raise refused
         for bucket in late:  # a gradient arrived after its bucket's sync: average what .grad holds now
             ctx = SyncContext(self._default.name, p.task, p.aborted, p.shadow)
             self._default.stage(bucket, ctx)
             bucket.wait_staged()
             if drive(self._default.sync(bucket, self._channels[0], ctx)):
                 grads.scatter(bucket)
-        self._update_stats(p, late)
+        self.stats.record(self.buckets, [ctx.path for ctx in p.contexts], self.paths, self._default.name, late,
+                          self._facts_bytes)
         if traced is not None:
             self._record_pass(p, traced)
         if not facts.aborted:
-            self._watch_pulls(facts)
+            if self.mode.pass_closed(facts, self._learned):
+                self._replan()
             self._learn_if_needed()
         self._close_pass(p)
         # a deferred pass closes during the next round's forward: its iteration began with its own round
         self.recorder.end_iteration(traced, p.round.began_ns if p.round is not None else None,
-                                    **self.consistency.trace_args())
+                                    **self.mode.trace_args())
         if facts.aborted and not p.aborted:
             peers = ", ".join(map(str, facts.aborted_ranks))
             raise SyncError(f"the backward of rank(s) {peers} was aborted (an exception on that rank) in this step: "
                             "no gradient was averaged, local gradients are kept unsynced; skip the step on every rank")
 
-    def _write_averages(self, p: Pass, facts: PassFacts, grads: GradWriter) -> None:
-        """What each bucket's path left, into ``grads`` (``.grad``, or where the consistency policy holds a
-        deferred pass's gradients; training thread, after every job): sync jobs never write ``.grad``, so
-        nothing of a backward that raised can land after the user's ``zero_grad()``; an aborted pass keeps
-        its local gradients as unsynced. A bucket that got a gradient late keeps ``.grad`` as it is (its
+    def _write_averages(self, p: Pass, facts: PassFacts, grads: GradWriter | None) -> None:
+        """What each bucket's path left, into ``grads`` (``.grad``, or where the mode holds a deferred
+        pass's gradients; training thread, after every job): sync jobs never write ``.grad``, so nothing
+        of a backward that raised can land after the user's ``zero_grad()``; an aborted pass keeps its
+        local gradients as unsynced. A bucket that got a gradient late keeps ``.grad`` as it is (its
         early part averaged without the late one): :meth:`_close` syncs all of it again."""
         for bucket, ctx in zip(self.buckets, p.contexts):
             path = self.paths[ctx.path]
-            if self.server is not None or p.shadow:
+            if grads is None or p.shadow:
                 path.forget(bucket)
             elif facts.aborted:
                 path.keep_local(bucket)
@@ -618,147 +551,46 @@ class Engine:
                 self._round = None
             self._update_ask()
 
-    # ---- parameter-server mode: deferred passes ------------------------------------------------------
+    # ---- deferred passes -----------------------------------------------------------------------------
 
-    def attach_server(self, facade) -> None:
-        """Switch to parameter-server mode with ``facade`` (a ServerOptimizer; collective, between
-        passes): chunks re-planned for the optimizer, shards built, per-layer waits hooked."""
-        if self.server is not None:
-            raise RuntimeError("this PoseidonDDP already has a ServerOptimizer")
-        described = self._control.all_gather_objects(facade.describe())
-        for rank, other in enumerate(described):
-            differing = "; ".join(f"{key}: {value!r} vs {other[key]!r}" for key, value in described[0].items()
-                                  if other[key] != value)
-            if differing:
-                raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank}: {differing}")
-        self.settle()
-        self.consistency = facade.consistency_policy() or self.consistency
-        self._default.aligned = facade.aligned
-        self._default.flags_to_owners = True
-        self.server, self._stale_job = self.consistency.server_for(facade, self._default, self._control, self.timeout)
-        self.coordinator.pull_values = True
-        # a module's forward waits for the parameters of its whole subtree (nn.MultiheadAttention reads
-        # out_proj.weight itself); the root's would wait for everything, so it waits for its own only
-        self._modules_of: dict[int, list[nn.Module]] = {}
-        holders = []
-        for module in self._module.modules():
-            own = [p for p in module._parameters.values() if p is not None and id(p) in self._slot]
-            reads = own if module is self._module else [p for p in module.parameters() if id(p) in self._slot]
-            for param in reads:
-                self._modules_of.setdefault(id(param), []).append(module)
-            if reads:
-                self._server_hooks.append(module.register_forward_pre_hook(self._before_layer, prepend=True))
-            if own:
-                holders.append(module)
-        if self.consistency.lockstep:
-            self._install(self.buckets)
-        else:  # ranks on their own clocks cannot learn buckets together: fused once, as torch DDP's
-            self.coordinator.default_only()
-            self._learned = True
-            cap = min(self.fusion_bytes, self.consistency.fixed_fusion_bytes)
-            self._install(build_buckets(group_layers(list(reversed(self.layers)), cap, set()),
-                                        self.staged, self._fc_of))
-        for module in holders:
-            self._server_hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
-            self._server_hooks.append(module.register_load_state_dict_pre_hook(self._before_load))
-
-    def _server_state(self) -> dict:
-        """The whole optimizer state, on every rank (collective)."""
-        exports = self._control.all_gather_objects(self.server.export())
-        return merge_exports(exports, self.server.facade.shapes)
-
-    def gather_objects(self, obj: object, to: int) -> list | None:
-        """Every rank's ``obj`` on rank ``to`` (collective), None elsewhere."""
-        gathered = self._control.all_gather_objects(obj)
-        return gathered if self.rank == to else None
-
-    def _before_layer(self, module: nn.Module, args: tuple) -> None:
-        """A layer's forward begins: its new parameter values first (forward pre-hook). Inside a compiled
-        graph it cannot wait: a value still pending then is caught at the end of the forward."""
-        if torch.compiler.is_compiling() or not self.consistency.waits_per_layer:
-            return
+    def pending(self) -> Deferred | None:
+        """The deferred pass whose jobs may still run (not drained), or None."""
         deferred = self._deferred
-        if deferred is None or deferred.drained:
-            return
-        for index in self._buckets_of_module.get(id(module), ()):
-            if not deferred.applied[index]:
-                with self.recorder.waiting("values"):
-                    self._guarded(deferred.pass_, partial(self._wait_bucket, index))
-                self._apply(index, deferred)
+        return deferred if deferred is not None and not deferred.drained else None
 
-    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self.drain()
-
-    def _before_load(self, module: nn.Module, *args) -> None:
-        """Loading parameters: the last step's values must land first, not over what is loaded; values
-        held for later steps never land."""
-        self.drain()
-        self.consistency.forget_values()
+    def wait_for_bucket(self, index: int, deferred: Deferred, what: str) -> None:
+        """Until bucket ``index``'s job of the deferred pass is done (the training thread waits on ``what``,
+        as the tracer names it); a failure ends the engine."""
+        with self.recorder.waiting(what):
+            self._guarded(deferred.pass_, partial(self._wait_bucket, index))
 
     def _wait_bucket(self, index: int) -> None:
         raise_outcome(*self.core.wait_bucket(index, self.timeout))
 
-    def _apply(self, index: int, deferred: Deferred | None = None) -> None:
-        """Bucket ``index``'s new parameter values into the parameters, or where the consistency policy
-        holds them (its job is done). For a deferred pass read per layer, a parameter written since
-        backward returned is an error: the new value was computed from the old one."""
-        bucket = self.buckets[index]
-        if deferred is not None:
-            deferred.applied[index] = True
-        if deferred is not None and self.consistency.waits_per_layer:
-            for name, p in zip(bucket.param_names, bucket.params):
-                if p._version != deferred.versions[id(p)]:
-                    error = SyncError(f"parameter {name!r} was written after backward() while its new value was "
-                                      "still pending (a ServerOptimizer with lazy_pull=True or staleness lands it at "
-                                      "the next forward): call model.synchronize() before writing parameters between "
-                                      "steps")
-                    self.failure = error
-                    raise error
+    def after_job(self, bucket: Bucket) -> None:
+        """Order the training thread's device work after ``bucket``'s job (CUDA; nothing on CPU)."""
         if self._streams is not None:
             torch.cuda.current_stream(bucket.device).wait_event(bucket.done_event)
-        self.consistency.take_values(bucket)
 
     def drain(self, output: object = None) -> None:
-        """Wait for every job of a deferred pass and, in parameter-server mode, apply every new value
-        (local, no collective). ``output``: the forward that just ran; a parameter it read before its
-        new value arrived (read outside the forward of every module holding it) is an error."""
-        deferred = self._deferred
-        if deferred is None or deferred.drained:
+        """Wait for every job of a deferred pass and let the mode take what they left (local, no
+        collective). ``output``: the forward that just ran (the mode may check what it read)."""
+        deferred = self.pending()
+        if deferred is None:
             return
         self._wait_for_jobs(deferred.pass_)
         if deferred.facts is None:
             deferred.facts = self._read_facts(deferred.pass_, deferred.exchange)
-            deferred.error = self._split_pass_error(deferred.facts)
+            deferred.error = self.mode.split_pass_error(deferred.facts)
         if deferred.error is not None:
-            self.failure = deferred.error
-            raise deferred.error
-        late = [index for index, applied in enumerate(deferred.applied) if not applied and self.server is not None]
-        if output is not None and late and self.consistency.waits_per_layer:
-            self._check_not_read(output, late)
-        for index in late:
-            self._apply(index, deferred)
-        if self.server is not None:
-            self.consistency.values_taken()
+            self.fail(deferred.error)
+        self.mode.drained(output)
         deferred.drained = True
 
-    def _check_not_read(self, output: object, late: list[int]) -> None:
-        names = {id(p): name for index in late for name, p in zip(self.buckets[index].param_names,
-                                                                   self.buckets[index].params)}
-        tensors, _ = tree_flatten(output)
-        for param in _leaves_of([t for t in tensors if isinstance(t, torch.Tensor)]):
-            if id(param) in names:
-                error = SyncError(f"parameter {names[id(param)]!r} was read in a forward before its new value had "
-                                  "arrived: it is read outside the forward of the module that holds it (as "
-                                  "nn.MultiheadAttention reads out_proj.weight, or F.linear(x, self.head.weight)), "
-                                  "or inside a torch.compile graph, where the per-module waits cannot run; "
-                                  "lazy_pull=True waits per module, so use lazy_pull=False for this model")
-                self.failure = error
-                raise error
-
     def after_forward(self, output: object, synced: bool) -> None:
-        """A forward of the wrapper returned: the last step's sync settles now (a synced forward) or, for
-        its values, drains (parameter-server mode), unless the policy ``settles_in_next_pass``."""
-        if not self.defers_passes or self.consistency.settles_in_next_pass:
+        """A forward of the wrapper returned: the last step's deferred pass settles now (a synced forward)
+        or drains, unless the mode ``settles_in_next_pass``."""
+        if self.mode.settles_in_next_pass:
             return
         self.settle(output) if synced else self.drain(output)
 
@@ -769,12 +601,12 @@ class Engine:
         self.drain(output)
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
-            self._close(deferred.pass_, deferred.facts, self.consistency.writer_for_settle() or self._live)
-            self.consistency.settled()
+            self._close(deferred.pass_, deferred.facts, self.mode.writer(self._live, settling=True))
+            self.mode.settled()
 
     def backward_raised(self) -> bool:
         """The last synced backward raised: its pass is still open outside any backward (until the next
-        forward, or a collective of the ServerOptimizer, finishes it)."""
+        forward, or a collective of the optimizer, finishes it)."""
         return (self._pass is not None or bool(self._armed)) and torch._C._current_graph_task_id() == -1
 
     def finish_aborted_pass(self) -> None:
@@ -806,7 +638,7 @@ class Engine:
 
     def _run_job(self, key: int) -> None:
         """Slot ``key`` of the channel plan when the core does not run it itself: a bucket's whole
-        job, or one of its two slots (the path's phases cut where it yields "update")."""
+        job, or one of its two slots (the job's phases cut where it yields "update")."""
         index, second = self.plan.bucket_of(key), self.plan.is_second(key)
         bucket, channel = self.buckets[index], self.plan.channel_of(key)
         slot = self._halves.pop(index) if second else self._first_slot(index, channel)
@@ -817,7 +649,7 @@ class Engine:
             if not second:
                 bucket.wait_staged()
             if key == self.plan.first_second_slot:
-                self.server.before_updates(self._channels[channel], len(self.buckets), self.timeout)
+                self.mode.second_slots_begin(self._channels[channel], len(self.buckets))
             phases = slot.halves.second() if second else slot.phases
             traced = self._traced(self._jobs_pass)
             if traced is not None:
@@ -832,8 +664,7 @@ class Engine:
         bucket.sync_seconds = bucket.sync_seconds + seconds if second else seconds
         if index in self.plan.split and not second:
             self._halves[index] = _Slot(slot.ctx, time.monotonic_ns(), slot.phases, slot.halves)
-            if self.server is not None:
-                self.server.pushed()
+            self.mode.first_slot_done()
 
     def _context_of(self, index: int) -> SyncContext:
         """Bucket ``index``'s context in the pass its job belongs to (aborted if ``finish`` submitted it
@@ -844,33 +675,25 @@ class Engine:
         return ctx
 
     def _stage(self, index: int) -> None:
-        """Bucket ``index`` is being submitted, on the thread that made it ready: what its path's job will
-        read of ``.grad``, into its flat buffer (the core's call; no job ever reads ``.grad``)."""
+        """Bucket ``index`` is being submitted, on the thread that made it ready: what its job will read of
+        ``.grad``, into its flat buffer (the core's call; no job ever reads ``.grad``)."""
         bucket, ctx = self.buckets[index], self._context_of(index)
         with self._device_stream(bucket.ready_event, self.plan.channel_of(index)):  # CUDA: copies on a side stream
-            self._path(ctx.path).stage(bucket, ctx)
+            self._job(ctx.path).stage(bucket, ctx)
 
     def _first_slot(self, index: int, channel: int) -> _Slot:
         """The phases of bucket ``index``'s job this pass (up to the update when the plan splits it)."""
         bucket = self.buckets[index]
         ctx = self._context_of(index)
-        phases = self._path(ctx.path).sync(bucket, self._channels[channel], ctx)
+        phases = self._job(ctx.path).sync(bucket, self._channels[channel], ctx)
         if index not in self.plan.split:
             return _Slot(ctx, self.core.submit_ns(index), phases)
         halves = Halves(phases, "update")
         return _Slot(ctx, self.core.submit_ns(index), halves.first(), halves)
 
-    def _path(self, name: str):
-        """The job of a bucket on path ``name`` this pass: the path's, with the update at the owners in
-        parameter-server mode."""
-        path = self.paths[name]
-        if self.server is None:
-            return path
-        if self._stale_job is not None:
-            return self._stale_job
-        if path not in self._server_jobs:
-            self._server_jobs[path] = ServerUpdate(path, self._default, self.server)
-        return self._server_jobs[path]
+    def _job(self, path: str) -> Path:
+        """The job of a bucket on path ``path`` this pass: the path's, as the mode composes it."""
+        return self.mode.job(self.paths[path])
 
     def _device_stream(self, after, channel: int):
         """A context on the channel's CUDA stream, ordered after the event ``after``, that gives the stream
@@ -880,22 +703,6 @@ class Engine:
         return _on_stream(self._streams.for_channel(channel), after)
 
     # ---- after the pass -----------------------------------------------------------------------------
-
-    def _update_stats(self, p: Pass, late: list[Bucket]) -> None:
-        by_path = {**dict.fromkeys(self.paths, 0), "facts": self._facts_bytes}
-        for bucket, ctx in zip(self.buckets, p.contexts):
-            by_path[ctx.path] += bucket.bytes_sent
-        for bucket in late:  # synced again on the default path: what the last job sent
-            by_path[self._default.name] += bucket.bytes_sent
-        total = sum(by_path.values())
-        stats = self.stats
-        stats.bytes_sent_last_iteration = total
-        stats.bytes_sent_total += total
-        stats.iterations += 1
-        stats.jobs_last_iteration = len(self.buckets) + len(late)
-        stats.bytes_by_bucket = {b.name: b.bytes_sent for b in self.buckets}
-        stats.bytes_by_path = by_path
-        stats.outcome_by_bucket = {b.name: b.outcome for b in self.buckets}
 
     def _record_unsettled(self) -> None:
         """The engine closes with a deferred pass drained but not closed (closing it may be collective):
@@ -928,22 +735,14 @@ class Engine:
             self.recorder.add(kind, bucket.name, self._lanes[index % len(self._channels)], start, end, iteration,
                               **args)
 
-    def _watch_pulls(self, facts: PassFacts) -> None:
-        """Lazy pulls with priority: the jobs still running at the end of backward in the first passes of
-        the learned buckets; once known, the channel plan splits them (between passes)."""
-        watching = self.server is not None and self.server.facade.lazy_pull and self._pull_priority and self._learned
-        if watching and self._syncing_at_end.observe(facts.syncing):
-            self.plan = self._channel_plan(len(self.buckets))
-            self.core.install(self.buckets, self._default, self.plan)
-
     def _learn_if_needed(self) -> None:
         """Rebuild the buckets from the readiness order of this pass (rank 0's, the same everywhere):
         once, and again only when a parameter no rank had used before gets a gradient. The first time,
         the jobs are costed by the link model: the first pass's own job times are cold (first use of
         every buffer), and a fit to them moved from run to run by 37x in seconds per byte on mlp50,
         learning 2 to 7 jobs where the link model learns 2 every time. A rebuild fits warm jobs."""
-        if not self.consistency.lockstep:
-            return  # fused once, when the mode began
+        if not self.mode.lockstep:
+            return  # fused once, when the engine started
         grew = False
         for param_id in list(self._never_used):
             bucket, j = self._slot[param_id]
@@ -953,11 +752,11 @@ class Engine:
         if self._learned and not grew:
             return
         mine = (self.core.order, self.core.order_ns) if self.rank == 0 else None
-        everyone = self._control.all_gather_objects((mine, [b.sync_seconds for b in self.buckets]))
+        everyone = self.control.all_gather_objects((mine, [b.sync_seconds for b in self.buckets]))
         order, order_ns = everyone[0][0]
         layers, ready_s = readiness_order(self.layers, order, [t / 1e9 for t in order_ns])
         cost = self._job_cost([min(seconds) for seconds in zip(*(s for _, s in everyone))]) if self._learned \
-            else self._link_job_cost()
+            else self._default.job_cost(self.link)
         groups = group_layers(layers, self.fusion_bytes, self.coordinator.wanted_solo(), ready_s, cost)
         self._learned = True
         self._install(build_buckets(groups, self.staged, self._fc_of))
@@ -967,17 +766,13 @@ class Engine:
         took (``seconds`` per bucket: the least over the ranks, the rank that came last to a job did
         not wait for its peers): latency, software and bandwidth as they really are, contention with
         backward included. Too few distinct sizes, or a fit that does not grow with the size, fall back
-        to the link model."""
-        link_cost = self._link_job_cost()
+        to the default path's link model."""
+        link_cost = self._default.job_cost(self.link)
         with contextlib.suppress(ValueError):
             alpha, beta = theil_sen([b.nbytes for b in self.buckets], seconds)
             if beta > 0:
                 return JobCost(max(alpha, link_cost.alpha_s), beta)
         return link_cost
-
-    def _link_job_cost(self) -> JobCost:
-        """Seconds per sync job of a bucket of n bytes by the link model (the default path's)."""
-        return self._default.job_cost(self.link)
 
     # ---- lifetime ----------------------------------------------------------------------------------
 
@@ -997,26 +792,9 @@ class Engine:
                     bucket.release_device_copy()
         finally:
             self.core.close()
-            if self.server is not None:
-                self.server.close()
-            for handle in self._server_hooks:
-                handle.remove()
+            self.mode.close()
         for layer in self.fc.values():
             layer.remove()
-
-
-def _leaves_of(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """The leaf tensors an autograd graph accumulates into."""
-    seen, stack = set(), [t.grad_fn for t in tensors if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            yield variable
-        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 class _Arm:
@@ -1045,4 +823,3 @@ def _on_stream(stream: torch.cuda.Stream, after: torch.cuda.Event):
     stream.wait_event(after)
     with torch.cuda.stream(stream):
         yield stream
-

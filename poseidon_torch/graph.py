@@ -15,6 +15,8 @@ Invariant: the tensor returned carries a gradient exactly when a backward runs t
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 from torch.autograd.graph import Node
@@ -40,3 +42,17 @@ def hook_target(t: Tensor, *, same_elements: bool) -> Tensor | None:
         return base
     whole = base.numel() == t.numel() and base.is_contiguous() and t.is_contiguous()
     return base if whole and t.data_ptr() == base.data_ptr() else None
+
+
+def leaves_of(tensors: list[Tensor]) -> Iterator[Tensor]:
+    """The leaf tensors an autograd graph through ``tensors`` accumulates into."""
+    seen, stack = set(), [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            yield variable
+        stack.extend(next_node for next_node, _ in node.next_functions)

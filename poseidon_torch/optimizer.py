@@ -4,9 +4,10 @@ The user-facing side of parameter-server mode: the optimizer class, its param gr
 hyperparameters as torch's optimizers hold them, the options every rank must agree on (``lazy_pull``,
 ``max_grad_norm``, Pipe-SGD's ``delay``, SSP's ``staleness``), ``step()`` / ``zero_grad()`` /
 ``state_dict()`` as torch's, and the
-refusals (optimizers that cannot run on shards, ``GradScaler``). It attaches itself to a
-:class:`~poseidon_torch.PoseidonDDP`, whose engine builds the shards; this module imports the wrapper,
-the engine's modules never import this one.
+refusals (optimizers that cannot run on shards, ``GradScaler``). It hands its wrapper a plain request
+(``modes.ServerRequest``: a ``ServerSpec`` of the optimizer, and the consistency options), which the
+wrapper resolves into its mode when its engine starts; from then on it asks that mode (``modes/server.py``,
+``modes/ssp.py``). This module imports the wrapper; nothing in the package imports this one.
 """
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .consistency import BSP, DelayedValues
 from .ddp import PoseidonDDP
-from .server import Server, hyperparameters, merge_exports
-from .stale import Stale
+from .modes import ServerMode, ServerRequest
+from .server import ServerSpec, hyperparameters, merge_exports
 
 #: torch optimizers whose update of an element reads only that element's gradient and state: their
 #: chunks may cut parameters anywhere. Any other class (subclasses of these included: a LARS written
@@ -108,6 +108,8 @@ class ServerOptimizer(torch.optim.Optimizer):
     ``ZeroRedundancyOptimizer``; ``load_state_dict`` takes torch's format (also a plain optimizer's).
     Once the wrapper is closed its shards are gone: a state consolidated before that stays available
     (``consolidate_state_dict`` to the same rank is then a no-op), anything else raises.
+    Build it before the model's first forward: the wrapper's consistency mode is chosen once, when its
+    engine starts.
     """
 
     #: so that a ``torch.amp.GradScaler`` hands its verdict to :meth:`step` (which refuses it) instead
@@ -154,17 +156,21 @@ class ServerOptimizer(torch.optim.Optimizer):
         self.shapes = {i: p.shape for i, p in enumerate(optimizable)}  #: per state_dict key
         self._consolidated: dict | None = None
         self._consolidated_to: int | None = None  #: the rank the last consolidation gathered on
-        synced = {id(p) for p in model.engine.params} if model.engine is not None else set()
+        self._consolidated_at = 0  #: the passes the shards had begun then (a later one makes it stale)
         #: listed parameters that were frozen when the model was wrapped: no bucket syncs them
         self._unsynced = [(n, p) for n, p in model.module.named_parameters()
-                          if id(p) in self.key_of and id(p) not in synced]
+                          if id(p) in self.key_of and id(p) not in model.synced_parameters]
         missing = [n for n, p in model.module.named_parameters() if p.requires_grad and id(p) not in self.key_of]
         if missing:
             raise ValueError("ServerOptimizer must optimize every trainable parameter of the model; "
                              f"missing: {missing[:8]}")
         self._inner_probe()
         self._initialized = True
-        model.attach_server(self)
+        spec = ServerSpec(optimizer_class, self.init_kwargs, self.param_groups, self.key_of, self.group_of, self.shapes,
+                          self._max_grad_norm, self.lazy_pull, self.aligned)
+        versions = {id(p): p._version for p in model.module.parameters()}  # what the owners start from
+        model.attach_server(ServerRequest(spec, delay, self.staleness, self.push_every, self.fetch_every, versions),
+                            self.describe())
 
     @classmethod
     def from_optimizer(cls, model: Any, optimizer: torch.optim.Optimizer, **server_options: Any) -> ServerOptimizer:
@@ -201,29 +207,32 @@ class ServerOptimizer(torch.optim.Optimizer):
                 "staleness": self.staleness, "push_every": self.push_every, "fetch_every": self.fetch_every,
                 "param groups (hyperparameters, parameters)": groups}
 
-    def consistency_policy(self) -> BSP | None:
-        """The consistency policy this optimizer asks of the engine (None: the engine's own, BSP)."""
-        if self.staleness != 0:
-            return Stale(self.staleness, self.push_every, self.fetch_every)
-        return DelayedValues(self.delay) if self.delay else None
-
     @property
     def stale(self) -> bool:
         """SSP or asynchronous: every rank on its own clock."""
         return self.staleness != 0
 
-    @property
-    def server(self) -> Server:
-        return self._engine.server
+    def _mode(self) -> ServerMode:
+        """The wrapper's mode (its engine started now if need be): the one this optimizer's request made."""
+        self._refuse_closed()
+        return self.model.engine.mode
 
-    @property
-    def _engine(self) -> Any:
-        engine = self.model.engine
-        if engine is None:
+    def _started_mode(self) -> ServerMode | None:
+        """The wrapper's mode if its engine has started (None: no step has run, no state exists)."""
+        self._refuse_closed()
+        engine = self.model._engine
+        return engine.mode if engine is not None else None
+
+    def _refuse_closed(self) -> None:
+        if self.model._closed:
             raise RuntimeError("the PoseidonDDP this ServerOptimizer runs on was closed (close(), or a framework's teardown "
                                "at the end of training), and its shards with it: gather the state before closing "
                                "(consolidate_state_dict(to) on every rank), or train on a new ServerOptimizer")
-        return engine
+
+    @property
+    def server(self):
+        """This rank's shards (``server.py``, or ``stale.py`` with staleness)."""
+        return self._mode().server
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -236,9 +245,10 @@ class ServerOptimizer(torch.optim.Optimizer):
         last synced backward (what ``clip_grad_norm_`` returns; with lazy pulls it waits for that step's
         norm, not for its pulls); None without clipping, before the first step, or after a backward that
         raised (that step is skipped)."""
-        if self.max_grad_norm is None or self._engine.backward_raised():
+        mode = self._started_mode()
+        if self.max_grad_norm is None or mode is None or self.model.engine.backward_raised():
             return None
-        return self.server.wait_norm(self._engine.timeout)
+        return mode.wait_norm()
 
     def step(self, closure: Any = None) -> Any:
         """The update already ran at the shards during ``backward()``: wait until every parameter holds
@@ -261,18 +271,17 @@ class ServerOptimizer(torch.optim.Optimizer):
         if unfrozen:
             raise RuntimeError(f"parameter(s) {unfrozen[:8]} were frozen when the model was wrapped and have a gradient "
                                "now: nothing syncs or steps them; unfreeze before wrapping with PoseidonDDP (or wrap again)")
-        if not (self.lazy_pull or self.delay or self.stale):
-            self.model.synchronize()
+        mode = self._started_mode()
+        if mode is not None:
+            mode.after_step()
         return loss
 
     @property
     def last_staleness(self) -> int | None:
         """With ``staleness``: how many clocks of the slowest rank the values read by the next forward
         lack (0 = what BSP would read; at most ``staleness``); None in the other modes or before a step."""
-        if not self.stale or self.server.clock < 0:
-            return None
-        self.model.synchronize()
-        return self.server.pass_staleness()
+        mode = self._started_mode()
+        return None if mode is None else mode.last_staleness()
 
     def finish(self) -> None:
         """End of training: wait for the last step's sync and put the newest values into the parameters.
@@ -283,19 +292,14 @@ class ServerOptimizer(torch.optim.Optimizer):
         that calls it alone mid-training reads newer values than the others for k forwards. With
         ``staleness`` it is collective: it waits until every rank called it (the others train on meanwhile:
         uneven data), then every rank's parameters are the owners' newest values and the clocks restart."""
-        if self.stale:
-            self._engine.finish_aborted_pass()  # a last backward that raised pushes its clock first
-        self.model.synchronize()
-        self._engine.consistency.flush()
-        if self.stale:
-            self.server.finish()
+        self._mode().finish()
 
     def local_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
-        return self.server.state_bytes()
+        mode = self._started_mode()
+        return 0 if mode is None else mode.server.state_bytes()
 
-    def forget_consolidated(self) -> None:
-        """A step's updates begin: a state gathered before them is stale (``state_dict()`` refuses)."""
+    def _forget_consolidated(self) -> None:
         self._consolidated = self._consolidated_to = None
 
     def consolidate_state_dict(self, to: int | None = 0) -> None:
@@ -304,28 +308,32 @@ class ServerOptimizer(torch.optim.Optimizer):
         ``save_state``; each rank then holds the whole state, as a torch optimizer under DDP does). After
         the wrapper closed, a state gathered on ``to`` before that is kept (nothing can change it)."""
         to = self.model.rank if to is None else to
-        if self.model.engine is None and self._consolidated_to == to:
+        if self.model._closed and self._consolidated_to == to:
             return
-        self._engine.finish_aborted_pass()  # a skipped step's state taken back first
-        self.model.synchronize()
-        if self.stale:
-            self.server.finish()  # every push applied, on every rank
-        exports = self._engine.gather_objects(self.server.export(), to)
+        mode = self._mode()
+        mode.quiesce()  # a skipped step's state taken back, every update (every push) applied
+        engine = self.model.engine
+        exports = engine.control.all_gather_objects(mode.server.export())
         self._consolidated, self._consolidated_to = None, to
-        if exports is not None:
+        self._consolidated_at = mode.server.passes
+        if engine.rank == to:
             self._consolidated = merge_exports(exports, self.shapes)
 
     def state_dict(self) -> dict:
         """torch's optimizer format: after :meth:`consolidate_state_dict` on every rank, on rank ``to``.
         While no step has made any state (as when accelerate copies the state at set-up, on every rank)
         it is the empty state, anywhere, with no collective."""
+        mode = None if self.model._closed else self._started_mode()  # closed: a state gathered before stays
+        if mode is not None and mode.server.passes != self._consolidated_at:  # a step's updates began since
+            self._forget_consolidated()
         if self._consolidated is not None:
             state = {k: dict(v) for k, v in self._consolidated.items()}
         elif self._consolidated_to is not None:
             rank = self.model.rank
             raise RuntimeError(f"the optimizer state was consolidated on rank {self._consolidated_to}, not on this rank "
                                f"({rank}): call state_dict() there, or consolidate_state_dict(to={rank}) on every rank")
-        elif not self.server.has_state():
+        elif mode is None or not mode.server.has_state():
+            self._refuse_closed()  # closed, nothing gathered: the shards are gone
             state = {}
         else:
             raise RuntimeError("call consolidate_state_dict(to=...) on every rank first (as with "
@@ -338,10 +346,8 @@ class ServerOptimizer(torch.optim.Optimizer):
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("loaded state_dict has param groups of other sizes than this optimizer's")
-        self._engine.finish_aborted_pass()  # or a skipped step's roll-back would land on the loaded state
-        self.model.synchronize()
-        if self.stale:
-            self.server.finish()  # no push in flight; loaded parameters go to the owners
+        mode = self._mode()
+        mode.quiesce()  # or a skipped step's roll-back would land on the loaded state; no push in flight
         for group, saved in zip(self.param_groups, groups):
             group.update(hyperparameters(saved))
         state = {int(k): v for k, v in state_dict["state"].items()}
@@ -351,8 +357,8 @@ class ServerOptimizer(torch.optim.Optimizer):
                 if isinstance(value, Tensor) and value.dim() > 0 and value.shape != shape:
                     raise ValueError(f"state {name!r} of parameter {key} has shape {tuple(value.shape)}, "
                                      f"the parameter {tuple(shape)}")
-        self.server.load(state)
-        self.forget_consolidated()
+        mode.server.load(state)
+        self._forget_consolidated()
 
     def __repr__(self) -> str:
         return f"ServerOptimizer({self.optimizer_class.__name__}, {len(self.param_groups)} group(s))"

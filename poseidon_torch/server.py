@@ -27,8 +27,10 @@ Invariants:
 - optimizers whose update of one element reads other elements of the parameter get chunks aligned to
   whole parameters (``optimizer.py`` decides, and refuses optimizers that need a closure or sparse
   gradients);
-- with Pipe-SGD's ``delay`` the owners step from the newest values (the consistency policy's
-  ``value_source``), not from the parameters, which lag the servers by k steps.
+- with Pipe-SGD's ``delay`` the owners step from the newest values (the mode's ``value_source``), not
+  from the parameters, which lag the servers by k steps;
+- the shards know the optimizer only by a :class:`ServerSpec` (plain data): nothing here reads the
+  ``ServerOptimizer`` that made it.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,8 +49,24 @@ from .bucket import Bucket
 from .paths.ps import Chunk, PSPath
 from .pools import ChannelGroups
 
-if TYPE_CHECKING:  # the facade's module imports this one, never the other way round
-    from .optimizer import ServerOptimizer
+
+@dataclass(frozen=True, eq=False)
+class ServerSpec:
+    """What the shards run: the user's optimizer class and the arguments it takes, its param groups (the
+    user-facing list: their hyperparameters are read at every step, so LR schedulers work), each
+    parameter's state_dict key (by ``id``) and group (by key), each key's shape, the clipping threshold,
+    whether values are pulled lazily, and whether chunks must hold whole parameters."""
+
+    optimizer_class: type
+    init_kwargs: dict[str, Any]
+    param_groups: list[dict]
+    key_of: dict[int, int]
+    group_of: list[int]
+    shapes: dict[int, torch.Size]
+    max_grad_norm: float | None = None
+    lazy_pull: bool = False
+    aligned: bool = False
+
 
 @dataclass(eq=False)
 class Piece:
@@ -93,19 +111,18 @@ def pieces_of(bucket: Bucket, chunks: Iterable[Chunk], key_of: dict[int, int]) -
 class BucketShard:
     """The pieces of one bucket that this rank updates, and the inner optimizer that steps them."""
 
-    def __init__(self, pieces: list[Piece], facade: ServerOptimizer) -> None:
+    def __init__(self, pieces: list[Piece], spec: ServerSpec) -> None:
         self.pieces = pieces
-        self.facade = facade
         by_group: dict[int, list[Tensor]] = defaultdict(list)
         for piece in pieces:
-            by_group[facade.group_of[piece.key]].append(piece.tensor)
+            by_group[spec.group_of[piece.key]].append(piece.tensor)
         self.groups = sorted(by_group)  #: the user's param groups this bucket's pieces belong to
         self.inner = None
         self.grads: list[Tensor | None] = [None] * len(pieces)  #: staged for this pass's update
         self.undo: dict[Tensor, dict | None] | None = None  #: the state before this pass's step, while it may abort
         if pieces:
-            inner_groups = [{**hyperparameters(facade.param_groups[g]), "params": by_group[g]} for g in self.groups]
-            self.inner = facade.optimizer_class(inner_groups, **facade.init_kwargs)
+            inner_groups = [{**hyperparameters(spec.param_groups[g]), "params": by_group[g]} for g in self.groups]
+            self.inner = spec.optimizer_class(inner_groups, **spec.init_kwargs)
 
     def stage(self, grads: Sequence[Tensor | None]) -> None:
         """This pass's averaged gradient of each piece (None: the piece is not stepped)."""
@@ -245,10 +262,10 @@ def merge_exports(exports: Iterable[dict], shapes: dict[int, torch.Size]) -> dic
 class Server:
     """This rank's shards: one :class:`BucketShard` per bucket, rebuilt when the buckets change."""
 
-    def __init__(self, facade: ServerOptimizer,
-                 source: Callable[[torch.nn.Parameter], Tensor] | None = None) -> None:
-        self.facade = facade
+    def __init__(self, spec: ServerSpec, source: Callable[[torch.nn.Parameter], Tensor] | None = None) -> None:
+        self.spec = spec
         self.source = source  #: where a step starts from (None: the live parameters)
+        self.passes = 0  #: passes begun (a state gathered before the last one is stale)
         self.shards: dict[int, BucketShard] = {}
         self.hyper: list[dict] = []  #: the pass's hyperparameters per user param group
         self.scale: float | None = None  #: the pass's clipping factor, once known
@@ -264,10 +281,10 @@ class Server:
     def begin_pass(self) -> None:
         """A synced pass opens: its updates use the hyperparameters in effect now (an LR scheduler
         stepped after ``step()`` must not reach jobs of this pass that are still running)."""
-        self.hyper = [hyperparameters(g) for g in self.facade.param_groups]
-        self.facade.forget_consolidated()  # this pass's updates change the state
+        self.hyper = [hyperparameters(g) for g in self.spec.param_groups]
+        self.passes += 1  # this pass's updates change the state
         self.scale = None
-        if self.facade.max_grad_norm is not None:
+        if self.spec.max_grad_norm is not None:
             self._norm_known.clear()
         self._may_abort = True
         self._drop_undo()
@@ -284,7 +301,7 @@ class Server:
         """The first update of the pass is next (its channel thread). With clipping: wait until all
         ``buckets`` pushed, then the global norm of the averaged gradients over the ranks (a collective
         on ``groups``, at the same slot on every rank) and the factor every update scales by."""
-        max_norm = self.facade.max_grad_norm
+        max_norm = self.spec.max_grad_norm
         if max_norm is None:
             return
         with self._cond:
@@ -329,9 +346,9 @@ class Server:
 
     def install(self, buckets: Sequence[Bucket], ps: PSPath, rank: int) -> None:
         """Pieces for ``buckets``: the chunks this rank owns."""
-        key_of = self.facade.key_of
+        key_of = self.spec.key_of
         self.shards = {id(bucket): BucketShard(pieces_of(bucket, [c for c in ps.chunks_of(bucket) if c.owner == rank],
-                                                         key_of), self.facade)
+                                                         key_of), self.spec)
                        for bucket in buckets}
 
     def shard(self, bucket: Bucket) -> BucketShard:

@@ -1,4 +1,5 @@
-"""Stale synchronous parallel (Bosen) and asynchronous SGD (Downpour) on the parameter-server shards.
+"""The server threads of stale synchronous parallel (Bosen) and asynchronous SGD (Downpour): the shards
+of the SSP mode (``modes/ssp.py``).
 
 With ``ServerOptimizer(..., staleness=s)`` (s >= 1), or ``staleness=None`` (asynchronous), the shards no
 longer aggregate exactly P pushes per step: each rank runs on its own *clock* (its count of synced
@@ -31,24 +32,18 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .barrier import SyncError
 from .bucket import Bucket
-from .consistency import BSP
-from .paths import SyncContext
 from .paths.ps import Chunk, PSPath
-from .pools import Backend, ChannelGroups, Collectives, make_backend
-from .server import BucketShard, export_shards, hyperparameters, pieces_of
-
-if TYPE_CHECKING:
-    from .optimizer import ServerOptimizer
+from .pools import Backend, Collectives, make_backend
+from .server import BucketShard, ServerSpec, export_shards, hyperparameters, pieces_of
 
 HEADER, PAYLOAD, REPLY = 1, 2, 1000  #: message tags (a reply's tag adds the chunk's id)
 #: what a header [kind, chunk id, push number, clock, answer?] announces (BEAT: still training)
@@ -57,54 +52,6 @@ PUSH, DONE, STOP, FETCH, BEAT = 0, 1, 2, 3, 4
 #: long its compute takes (a gloo receive that times out closes the connection); the waits that can
 #: fail (replies, the SSP bound) use the engine's timeout
 _FOREVER = timedelta(days=3650)
-
-
-class Stale(BSP):
-    """The consistency policy of SSP (``staleness`` >= 1) and asynchronous SGD (``staleness`` None):
-    ranks run on their own clocks, so the engine issues no per-step collective (``lockstep``), its buckets
-    are fused once, in reverse registration order (as torch DDP's), and the forward of a layer waits for
-    its bucket's values, which the owners send once the bound allows."""
-
-    lockstep = False
-    #: measured (lm, 2 hosts, 1 Gbit/s, steps in 30 s, SSP s = 1 against BSP on the servers, two runs):
-    #: 4 MiB 176/199 and 186/201 (the whole 3.4 MB model one bucket: its push starts after backward and
-    #: the first layer's forward waits for all of it), 2 MiB 196/205, 1 MiB 197/200 and 194/196,
-    #: 256 KiB 184/187 (more messages)
-    fixed_fusion_bytes = 1 << 20
-
-    def __init__(self, staleness: int | None, push_every: int = 1, fetch_every: int = 1) -> None:
-        self.staleness, self.push_every, self.fetch_every = staleness, push_every, fetch_every
-        self.server: StaleServer | None = None
-
-    def server_for(self, facade: ServerOptimizer, kv: PSPath, control: Collectives,
-                   timeout: float) -> tuple[StaleServer, StaleJob]:
-        devices = sorted({p.device.type for p in facade.model.module.parameters()} - {"cpu"})
-        if devices:
-            raise NotImplementedError(f"ServerOptimizer(staleness={self.staleness}) runs on CPU parameters only for "
-                                      f"now (the model has {devices} ones): its server threads exchange host tensors")
-        self.server = StaleServer(facade, control, self.staleness, timeout, self.push_every, self.fetch_every)
-        return self.server, StaleJob(kv.name, self.server)
-
-    def take_values(self, bucket: Bucket) -> None:
-        """The answered values into the parameters, in a pass that fetched them (``fetch_every``)."""
-        if self.server is None or self.server.fetching:
-            super().take_values(bucket)
-            if self.server is not None:
-                self.server.own_versions([bucket])
-
-    def forget_values(self) -> None:
-        if self.server is not None:
-            self.server.parameters_loaded = True
-
-    def before_forward(self) -> None:
-        if self.server is not None and torch.is_grad_enabled():
-            self.server.refuse_if_loaded()
-
-    def diagnosis(self) -> str:
-        return "" if self.server is None else self.server.diagnosis()
-
-    def trace_args(self) -> dict:
-        return {"clock": self.server.clock, "staleness": self.server.pass_staleness()}
 
 
 @dataclass(eq=False)
@@ -141,9 +88,10 @@ class StaleServer:
     The engine's view of a server (``begin_pass``, ``install``, ``export``, ``load``, ...) plus
     :meth:`exchange` (a bucket's job), :meth:`finish` (the end of a stretch of training, collective)."""
 
-    def __init__(self, facade: ServerOptimizer, control: Collectives, staleness: int | None,
-                 timeout: float, push_every: int = 1, fetch_every: int = 1) -> None:
-        self.facade, self.control, self.bound, self.timeout = facade, control, staleness, timeout
+    def __init__(self, spec: ServerSpec, control: Collectives, staleness: int | None, timeout: float,
+                 push_every: int = 1, fetch_every: int = 1, versions: dict[int, int] | None = None) -> None:
+        self.spec, self.control, self.bound, self.timeout = spec, control, staleness, timeout
+        self.passes = 0  #: passes begun (a state gathered before the last one is stale)
         self.push_every, self.fetch_every = push_every, fetch_every
         self.rank, self.size = control.rank, control.size
         prefix = control.broadcast_object(f"poseidon/{uuid.uuid4().hex}/stale/", 0)
@@ -156,8 +104,10 @@ class StaleServer:
         self._summed: dict[int, Tensor] = {}  #: id(bucket) -> gradients summed since its last push
         self.parameters_loaded = False  #: the parameters were loaded: the owners take them at finish()
         #: id(parameter) -> its version after this mode last wrote or took it: another version means the
-        #: user wrote it in place (an edit the owners would silently overwrite)
+        #: user wrote it in place (an edit the owners would silently overwrite); the first time, the
+        #: versions the parameters had when the ServerOptimizer was built (a write since then is an edit)
         self._versions: dict[int, int] = {}
+        self._first_versions = dict(versions or {})
         #: id(bucket) of the buckets whose values this rank's open pass still has to land (an edit of
         #: those is the engine's to refuse, when they land)
         self._landing: set[int] = set()
@@ -188,7 +138,7 @@ class StaleServer:
     def install(self, buckets: list[Bucket], ps: PSPath, rank: int) -> None:
         """Chunk ids over ``buckets`` (the same on every rank) and a shard per chunk this rank owns,
         its pieces starting from the parameters (collective, between passes, no push in flight)."""
-        key_of = self.facade.key_of
+        key_of = self.spec.key_of
         if self._summed:
             raise RuntimeError("the buckets changed while summed gradients wait for their push (push_every)")
         cid = 0
@@ -198,11 +148,13 @@ class StaleServer:
             for chunk in ps.chunks_of(bucket):
                 self._cids[id(bucket)].append((cid, chunk))
                 if chunk.owner == rank:
-                    shard = BucketShard(pieces_of(bucket, [chunk], key_of), self.facade)
+                    shard = BucketShard(pieces_of(bucket, [chunk], key_of), self.spec)
                     self._owned[cid] = _Owned(bucket, chunk, shard, [0] * self.size)
                     self.shards[cid] = shard
                 cid += 1
         self._take_parameters()
+        self._versions.update(self._first_versions)
+        self._first_versions = {}
         self.control.barrier()  # every owner ready before any rank pushes (installs are collective)
 
     def refuse_if_loaded(self) -> None:
@@ -240,7 +192,7 @@ class StaleServer:
             self._landing = {id(bucket) for bucket in self._buckets}
         # without a fetch the next forward reads the same values as this one: one clock staler
         self._log = _PassLog() if self.fetching else _PassLog(self._log.staleness + 1)
-        self.facade.forget_consolidated()  # this pass's pushes change the state
+        self.passes += 1  # this pass's pushes change the state
 
     def _reassure_the_finished(self) -> None:
         """A rank waiting in ``finish()`` hears from this one at least every timeout / 4 while it trains
@@ -499,7 +451,7 @@ class StaleServer:
         grads = [payload[piece.flat_start - start:piece.flat_start - start + piece.hi - piece.lo]
                  .view(piece.tensor.shape) / self.size if flags[piece.position] > 0 else None
                  for piece in shard.pieces]
-        shard.apply(grads, [hyperparameters(g) for g in self.facade.param_groups])
+        shard.apply(grads, [hyperparameters(g) for g in self.spec.param_groups])
 
     def _ready(self, cid: int, clock: int) -> bool:
         """The values of chunk ``cid`` may be read at clock ``clock`` + 1 (lock held)."""
@@ -666,24 +618,3 @@ def empty_push(bucket: Bucket) -> Tensor:
 
 def payload_bytes(bucket: Bucket, chunk: Chunk) -> int:
     return (chunk.stop - chunk.start + len(bucket.params) + 1) * bucket.flat.element_size()
-
-
-class StaleJob:
-    """A bucket's job in SSP/asynchronous mode, whatever its path: push every chunk, take the values the
-    owners answer (staged as the update at the owners stages: every parameter with a ``.grad`` is
-    stepped)."""
-
-    native = False
-
-    def __init__(self, name: str, server: StaleServer) -> None:
-        self.name, self.server = name, server
-
-    def stage(self, bucket: Bucket, ctx: SyncContext) -> None:
-        bucket.stage(ctx.aborted, ctx.shadow, grads_present=True)
-
-    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Iterator[str]:
-        yield "network"
-        bucket.bytes_sent = self.server.exchange(bucket)
-        bucket.outcome = self.name
-        bucket.dirty.zero_()
-        return True

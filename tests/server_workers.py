@@ -378,7 +378,7 @@ def slow(job, phase_names: tuple[str, ...], seconds: float) -> None:
 
 def server_job(engine, path: str):
     """The job the engine runs in parameter-server mode for the buckets on ``path`` (one object per path)."""
-    return engine._path(path)
+    return engine.mode.job(engine.paths[path])
 
 
 def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: bool, bad_step: int = 1) -> dict:
@@ -394,14 +394,14 @@ def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: boo
             wrapped, opt = DDP(model), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         elif path == "SFB":
             wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, overrides={"0": "SFB", "2": "SFB", "4": "SFB"})
-            slow(wrapped.engine.paths["SFB"], ("rebuild",), 0.1)
         else:  # the Python core runs PS jobs through the engine's PS path (the native core in C++)
             wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, hybrid=False, engine="python")
-            slow(wrapped.engine.paths["PS"], ("network",), 0.1)
         if wrapper == "poseidon":
             # momentum: the skipped step must leave the optimizer state alone too, not only the values
             opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, momentum=0.9) if server else \
                 torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            # its jobs slowed (the engine starts here, after the optimizer is built: the mode is fixed then)
+            slow(wrapped.engine.paths[path], ("rebuild",) if path == "SFB" else ("network",), 0.1)
         bad = {"now": False}
 
         def raise_if_bad(grad):

@@ -270,7 +270,7 @@ def same_as_default(rank: int, world_size: int) -> dict:
         else:
             wrapped = PoseidonDDP(model, timeout=30)
             opt = ServerOptimizer(wrapped, torch.optim.AdamW, lr=0.01, **({"staleness": 0} if name == "zero" else {}))
-            out[f"{name}_lockstep"] = wrapped.engine.consistency.lockstep
+            out[f"{name}_lockstep"] = wrapped.engine.mode.lockstep
         data = torch.Generator().manual_seed(rank)
         for _ in range(3):
             wrapped(torch.randn(4, 5, generator=data)).pow(2).sum().backward()

@@ -24,14 +24,23 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-if TYPE_CHECKING:
-    from poseidon_torch.bench.workloads import Batch, Workload
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Workload(Protocol):
+    """What this module reads of a ``workloads.Workload`` (which imports this module)."""
+
+    model: nn.Module
+
+    def make_batch(self, rank: int, step: int) -> Batch: ...
+
+    def _replace(self, **fields: object) -> Workload: ...
 
 BACKWARD_PER_FORWARD = 2.0  #: a backward costs about twice its forward (two matmuls per forward one)
 

@@ -29,7 +29,7 @@ def restore_in_flight_state(wrapper: PoseidonDDP, state: dict | None) -> None:
     """Load what :func:`in_flight_state` saved, before the first step of the resumed run. A pipelined
     run resumed from a checkpoint without it (saved by another mode, or by an older version) starts
     with an empty pipeline: its first k steps make no update; said with a warning."""
-    delay = wrapper.engine.consistency.delay if wrapper.engine is not None else 0
+    delay = wrapper.engine.mode.in_flight_steps if wrapper.engine is not None else 0
     if state is not None:
         saved = state.get("delay") if isinstance(state, dict) else None
         if saved != delay:

@@ -1,0 +1,64 @@
+"""The consistency models, one module each, and the one place a wrapper's mode is chosen.
+
+- :mod:`.base`: the protocol (:class:`Mode`): the named points the engine calls;
+- :mod:`.bsp`: BSP gradient averaging, the default (``PoseidonDDP(model)``);
+- :mod:`.pipe_sgd`: Pipe-SGD on gradients (``PoseidonDDP(model, delay=k)``);
+- :mod:`.server`: the parameter-server modes (``ServerOptimizer(model, ...)``, with ``delay=k``: Pipe-SGD
+  on the servers);
+- :mod:`.ssp`: SSP and asynchronous SGD on the servers (``ServerOptimizer(..., staleness=s)``).
+
+:func:`resolve` chooses the mode once, from the wrapper's options and the request of a ``ServerOptimizer``
+built on it, when the engine starts (its first grad-enabled forward); nothing changes it afterwards. A
+new mode is its module and one line in :func:`resolve`.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from ..paths import default_name
+from .base import INITIAL_FUSION_BYTES, Engine, Mode
+from .bsp import BSP
+from .pipe_sgd import PipeSGD, delay_option
+from .server import PipeServer, ServerMode, ServerRequest
+from .ssp import SSP
+
+
+def resolve(delay: int, request: ServerRequest | None) -> Mode:
+    """The mode of a wrapper with ``PoseidonDDP(delay=...)`` and, if one was built on it, a
+    ``ServerOptimizer``'s ``request`` (:func:`check_request` accepted it)."""
+    if request is None:
+        return PipeSGD(delay) if delay else BSP()
+    if request.staleness != 0:
+        return SSP(request)
+    return PipeServer(request) if request.delay else ServerMode(request)
+
+
+def sync_nice(delay: int) -> int:
+    """The nice value of the threads a wrapper starts before its mode is resolved (its private process
+    groups' transport threads): Pipe-SGD's when ``PoseidonDDP(delay=k)`` chose it (no ServerOptimizer
+    runs with it), else the training thread's."""
+    return PipeSGD.sync_nice if delay else BSP.sync_nice
+
+
+def check_request(delay: int, overrides: Mapping[str, str], devices: Iterable[str], request: ServerRequest) -> None:
+    """Refuse, when the ``ServerOptimizer`` is built, what its mode could not run: a wrapper that delays
+    its gradients already, overrides that need every rank at the same step under a staleness bound,
+    parameters off the CPU for the SSP server threads."""
+    if delay:
+        raise RuntimeError(f"PoseidonDDP(delay={delay}) delays the averaged gradients of the default mode; a "
+                           "ServerOptimizer on it is not supported yet")
+    if request.staleness == 0:
+        return
+    forced = sorted(name for name, path in overrides.items() if path != default_name())
+    if forced:
+        raise ValueError(f"overrides force {sorted(set(overrides[name] for name in forced))} on {forced}, which "
+                         f"needs every rank at the same step; a ServerOptimizer with staleness runs every layer on "
+                         f"the {default_name()} path")
+    off_cpu = sorted(set(devices) - {"cpu"})
+    if off_cpu:
+        raise NotImplementedError(f"ServerOptimizer(staleness={request.staleness}) runs on CPU parameters only for "
+                                  f"now (the model has {off_cpu} ones): its server threads exchange host tensors")
+
+
+__all__ = ["Mode", "Engine", "INITIAL_FUSION_BYTES", "BSP", "PipeSGD", "ServerMode", "PipeServer", "SSP",
+           "ServerRequest", "resolve", "sync_nice", "check_request", "delay_option"]
