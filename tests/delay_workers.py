@@ -1,5 +1,5 @@
-"""Rank functions for the Pipe-SGD tests (``PoseidonDDP(delay=k)``), and the single-process k-delayed
-SGD they are compared with."""
+"""Rank functions for the Pipe-SGD tests (``PoseidonDDP(delay=k)``, ``ServerOptimizer(delay=k)``); the
+single-process references they are held to are ``training``'s."""
 from __future__ import annotations
 
 import contextlib
@@ -15,95 +15,12 @@ import torch.nn.functional as F
 import placement
 from models import ModelSpec, batch, build
 from poseidon_torch import PoseidonDDP, SyncError
-from workers import OPTIMIZER, poseidon_options, shard
+from training import OPTIMIZERS, delayed_sgd, shard
 
 
 def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
-    return torch.optim.SGD(params, **OPTIMIZER)
-
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def train_delayed(rank: int, world_size: int, spec: ModelSpec, delay: int | None, steps: int, size: int,
-                  optimizer: str = "sgd", options: dict | None = None, skip: int | None = None,
-                  accumulate: int = 1) -> dict:
-    """PoseidonDDP training (``delay=None``: the argument left out); the final state, ``.grad`` after
-    every backward, and the paths the buckets took. ``skip``: at that step every rank's backward raises
-    and every rank skips the step. ``accumulate``: micro-batches per step, all but the last under
-    ``no_sync()``."""
-    model = build(spec, seed=spec.seed)
-    extra = {} if delay is None else {"delay": delay}
-    wrapped = PoseidonDDP(model, timeout=60, **extra, **poseidon_options(model, options))
-    opt = make_optimizer(optimizer, wrapped.parameters())
-    grads, paths, errors = [], [], []
-    for step in range(steps):
-        opt.zero_grad()
-        for micro in range(accumulate - 1):
-            x, y = batch(spec, step * accumulate + micro, size, world_size)
-            with wrapped.no_sync():
-                F.mse_loss(wrapped(shard(x, rank, size)), shard(y, rank, size)).backward()
-        x, y = batch(spec, step * accumulate + accumulate - 1, size, world_size)
-        out = wrapped(shard(x, rank, size), use_side=spec.rank0_branch and rank == 0)
-        loss = F.mse_loss(out, shard(y, rank, size))
-        if step == skip:  # after the wrapper's own hook on its output: the backward is synced
-            out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("bad batch")))
-            try:
-                loss.backward()
-            except (ValueError, SyncError) as exc:
-                errors.append(type(exc).__name__)
-            continue
-        loss.backward()
-        grads.append(_grads(model))
-        opt.step()
-        paths.append(dict(wrapped.comm_stats.outcome_by_bucket))
-    wrapped.close()
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "grads": grads,
-            "paths": paths, "errors": errors}
-
-
-def reference_delayed(spec: ModelSpec, delay: int, steps: int, size: int, world_size: int,
-                      optimizer: str = "sgd", skip: int | None = None, accumulate: int = 1) -> dict:
-    """k-delayed SGD in one process on the concatenated batch: w_{t+1} = opt(w_t, g(w_{t-k})), no
-    update for the first k steps (``.grad`` None); a ``skip``ped step does not exist. The final
-    parameters and the gradient each step applied."""
-    model = build(spec, seed=spec.seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(optimizer, params)
-    in_flight, applied = [], []
-    for step in range(steps):
-        if step == skip:
-            continue
-        opt.zero_grad()
-        for micro in range(accumulate):
-            _loss(model, spec, step * accumulate + micro, size, world_size).backward()
-        in_flight.append([p.grad for p in params])
-        due = in_flight.pop(0) if len(in_flight) > delay else [None] * len(params)
-        for p, g in zip(params, due):
-            p.grad = g
-        applied.append(_grads(model))
-        opt.step()
-    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "grads": applied}
-
-
-def _loss(model: torch.nn.Module, spec: ModelSpec, step: int, size: int, world_size: int) -> torch.Tensor:
-    """The loss of the concatenated batch of ``step`` (a micro-batch index when accumulating); with BatchNorm or a rank-0-only branch the ranks' forwards
-    differ, so the mean of the per-shard losses (the same objective)."""
-    x, y = batch(spec, step, size, world_size)
-    if not (spec.batchnorm or spec.rank0_branch):
-        return F.mse_loss(model(x), y)
-    return sum(F.mse_loss(model(shard(x, r, size), use_side=spec.rank0_branch and r == 0), shard(y, r, size))
-               for r in range(world_size)) / world_size
-
-
-def train_delayed_cases(rank: int, world_size: int, spec: ModelSpec, cases: list[tuple], steps: int,
-                        size: int) -> list[dict]:
-    """:func:`train_delayed` for each (delay, optimizer, options) of ``cases``."""
-    return [train_delayed(rank, world_size, spec, delay, steps, size, optimizer, options)
-            for delay, optimizer, options in cases]
+    cls, kwargs = OPTIMIZERS[kind]
+    return cls(params, **kwargs)
 
 
 def paused(job_class: type, seconds: float) -> type:
@@ -322,63 +239,8 @@ def refused(rank: int, world_size: int, what: str) -> str:
 def _server_optimizer(wrapped: PoseidonDDP, optimizer: str, **options):
     from poseidon_torch import ServerOptimizer
 
-    cls, kwargs = (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.01)) if optimizer == "adamw" else \
-        (torch.optim.SGD, OPTIMIZER)
+    cls, kwargs = OPTIMIZERS[optimizer]
     return ServerOptimizer(wrapped, cls, **options, **kwargs)
-
-
-def train_server_delayed(rank: int, world_size: int, spec: ModelSpec, delay: int | None, steps: int, size: int,
-                         optimizer: str = "sgd", options: dict | None = None, lazy_pull: bool = False) -> dict:
-    """``ServerOptimizer(..., delay=k)`` training (``None``: the argument left out); the final state
-    (what the last forward read), the parameters every forward read, the values in flight."""
-    model = build(spec, seed=spec.seed)
-    wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, options))
-    opt = _server_optimizer(wrapped, optimizer, lazy_pull=lazy_pull, **({} if delay is None else {"delay": delay}))
-    paths, read = [], []
-    for step in range(steps):
-        x, y = batch(spec, step, size, world_size)
-        loss = F.mse_loss(wrapped(shard(x, rank, size)), shard(y, rank, size))
-        read.append({n: p.detach().clone() for n, p in model.named_parameters()})
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        paths.append(dict(wrapped.comm_stats.outcome_by_bucket))
-    in_flight = wrapped.consistency_state_dict()
-    wrapped.close()
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "paths": paths,
-            "in_flight": in_flight, "read": read}
-
-
-def train_server_delayed_cases(rank: int, world_size: int, spec: ModelSpec, cases: list[tuple], steps: int,
-                               size: int) -> list[dict]:
-    """:func:`train_server_delayed` for each (delay, optimizer, options) of ``cases``."""
-    return [train_server_delayed(rank, world_size, spec, delay, steps, size, optimizer, options)
-            for delay, optimizer, options in cases]
-
-
-def reference_server_delayed(spec: ModelSpec, delay: int, steps: int, size: int, world_size: int,
-                             optimizer: str = "sgd") -> dict:
-    """Pipe-SGD as the servers run it, in one process: the gradient of batch t at the values of step
-    max(t-k, 0), applied at once to the newest values: w_{t+1} = opt(w_t, g_t(w_{max(t-k, 0)})). The
-    values the next forward would read (w_{steps-k}: what the parameters hold after the last step), the
-    newest (w_steps), and what every step's forward read."""
-    model = build(spec, seed=spec.seed)
-    reader = build(spec, seed=spec.seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(optimizer, params)
-    history = [{k: v.clone() for k, v in model.state_dict().items()}]
-    for step in range(steps):
-        reader.load_state_dict(history[max(step - delay, 0)])
-        reader.zero_grad()
-        _loss(reader, spec, step, size, world_size).backward()
-        for p, q in zip(model.parameters(), reader.parameters()):
-            p.grad = q.grad
-        opt.step()
-        history.append({k: v.clone() for k, v in model.state_dict().items()})
-    names = [n for n, p in model.named_parameters()]
-    return {"params": {n: history[max(steps - delay, 0)][n] for n in names},
-            "newest": {n: history[steps][n] for n in names},
-            "read": [{n: history[max(t - delay, 0)][n] for n in names} for t in range(steps)]}
 
 
 def misused_loop(rank: int, world_size: int, loop: str) -> str:
@@ -621,20 +483,11 @@ def reference_late_gradient(delay: int, world_size: int) -> dict[str, torch.Tens
     """:func:`late_gradient_delayed`'s model under k-delayed SGD in one process, on every rank's data."""
     from patterns import SharedInCheckpoint, data
 
-    model = SharedInCheckpoint()
-    params = list(model.parameters())
-    opt = make_optimizer("sgd", params)
-    in_flight = []
-    for step in range(4):
-        opt.zero_grad()
+    def backward(model: torch.nn.Module, step: int) -> None:
         batches = [data(step, r, n_in=6) for r in range(world_size)]
         (sum(F.mse_loss(model(x), y) for x, y in batches) / world_size).backward()
-        in_flight.append([p.grad for p in params])
-        due = in_flight.pop(0) if len(in_flight) > delay else [None] * len(params)
-        for p, g in zip(params, due):
-            p.grad = g
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    return delayed_sgd(SharedInCheckpoint(), backward, 4, delay)["params"]
 
 
 def peer_exits_under_delay(rank: int, world_size: int, server: bool) -> dict:

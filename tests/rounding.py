@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from models import ModelSpec, batch, build
-from server_workers import OPTIMIZERS, param_groups
-from workers import shard
+from training import OPTIMIZERS, param_groups, shard
 
 UNIT_ROUNDOFF = 2.0 ** -24
 
@@ -30,7 +29,7 @@ UNIT_ROUNDOFF = 2.0 ** -24
 def adam_slack(spec: ModelSpec, optimizer: str, steps: int, size: int, world_size: int, groups: str = "one",
                schedule: bool = False) -> dict[str, torch.Tensor]:
     """Per parameter name, the first-order bound on how far two valid fp32 orders of the rank sum can
-    move the parameters of :func:`server_workers.train`'s run (zeros for non-adaptive optimizers)."""
+    move the parameters of :func:`training.train`'s run (zeros for non-adaptive optimizers)."""
     torch.manual_seed(0)
     model = build(spec, seed=spec.seed)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -38,7 +37,7 @@ def adam_slack(spec: ModelSpec, optimizer: str, steps: int, size: int, world_siz
     opt = cls(param_groups(model, groups) or model.parameters(), **kwargs)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if schedule else None
     slack = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in model.named_parameters()}
-    if optimizer not in ("adam", "adamw"):
+    if cls not in (torch.optim.Adam, torch.optim.AdamW):
         return slack
     history: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in slack}  # (g_s, delta_s)
     for step in range(steps):
@@ -52,7 +51,7 @@ def adam_slack(spec: ModelSpec, optimizer: str, steps: int, size: int, world_siz
                 if p.grad is None:
                     continue
                 name = names[id(p)]
-                decay = group["weight_decay"] * p.detach().double() if optimizer == "adam" else 0.0
+                decay = group["weight_decay"] * p.detach().double() if cls is torch.optim.Adam else 0.0
                 delta = 2 * UNIT_ROUNDOFF * sum(part[id(p)].double().abs() for part in parts)
                 history[name].append((p.grad.double() + decay, delta))
                 slack[name] += group["lr"] * _update_sensitivity(opt.state[p], group, history[name])

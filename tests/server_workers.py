@@ -1,117 +1,23 @@
 """Rank functions for the parameter-server mode tests: ``fn(rank, world_size, *args)``."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import training
 from models import ModelSpec, batch, build
 from poseidon_torch import PoseidonDDP, ServerOptimizer
-from workers import poseidon_options, shard
-
-OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
-    "adam": (torch.optim.Adam, dict(lr=0.01, weight_decay=0.001)),
-    "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.05)),
-}
+from training import OPTIMIZERS, Run, poseidon_options, shard
 
 
-class LARS(torch.optim.SGD):
-    """A layer-wise optimizer (the trust ratio reads the whole parameter), as LARS and LAMB are; a
-    subclass of an elementwise one, as such optimizers often are."""
-
-    def __init__(self, params, lr: float = 0.1) -> None:
-        super().__init__(params, lr=lr)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                trust = p.norm() / (p.grad.norm() + 1e-6) if p.norm() > 0 else torch.tensor(1.0)
-                p.add_(p.grad, alpha=-group["lr"] * float(trust))
-
-
-def param_groups(model: nn.Module, kind: str) -> list | None:
-    """None (one group), or two groups with their own lr and weight decay (biases vs the rest)."""
-    if kind == "one":
-        return None
-    biases = [p for n, p in model.named_parameters() if n.endswith("bias") or p.dim() == 1]
-    rest = [p for n, p in model.named_parameters() if not (n.endswith("bias") or p.dim() == 1)]
-    return [g for g in ({"params": rest}, {"params": biases, "lr": 0.003, "weight_decay": 0.0}) if g["params"]]
-
-
-def make_optimizer(wrapped: nn.Module, model: nn.Module, wrapper: str, name: str, groups: str, lazy: bool,
-                   clip: float | None = None):
-    cls, kwargs = (LARS, dict(lr=0.05)) if name == "lars" else OPTIMIZERS[name]
-    params = param_groups(model, groups)
-    if wrapper == "server":
-        return ServerOptimizer(wrapped, cls, params, lazy_pull=lazy, max_grad_norm=clip, **kwargs)
-    if wrapper == "zero":
-        return ZeroRedundancyOptimizer(params or list(model.parameters()), optimizer_class=cls, **kwargs)
-    return cls(params or model.parameters(), **kwargs)
-
-
-def train(rank: int, world_size: int, spec: ModelSpec, wrapper: str, optimizer: str, steps: int, size: int,
-          groups: str = "one", schedule: bool = False, lazy: bool = False, options: dict | None = None,
-          accumulate: int = 1, set_to_none: bool = True, clip: float | None = None) -> dict:
-    """Train with ``wrapper`` in ("server", "ddp", "zero"); returns the final state and, for the
-    server, the optimizer state bytes of this rank, the paths its buckets took and its channel plans.
-    ``clip``: global-norm clipping (the server's ``max_grad_norm``, the anchors' ``clip_grad_norm_``
-    before ``step()``); the norms it found per step (the server's read after the step settles)."""
-    torch.manual_seed(0)
-    model = build(spec, seed=spec.seed)
-    if wrapper == "server":
-        wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, options))
-    else:
-        wrapped = DDP(model, find_unused_parameters=spec.unused_branch or spec.rank0_branch)
-    opt = make_optimizer(wrapped, model, wrapper, optimizer, groups, lazy, clip)
-    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if schedule else None
-    outcomes, plans, norms = [], [], []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=set_to_none)
-        for micro in range(accumulate):
-            x, y = batch(spec, step * accumulate + micro, size, world_size)
-            last = micro == accumulate - 1
-            with contextlib.nullcontext() if last else wrapped.no_sync():
-                # nothing keeps the graph alive once backward returns (as in most training loops)
-                F.mse_loss(wrapped(shard(x, rank, size), use_side=spec.rank0_branch and rank == 0),
-                           shard(y, rank, size)).backward()
-        if clip is not None and wrapper != "server":
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
-        if scheduler is not None:
-            scheduler.step()
-        if wrapper == "server":
-            outcomes.append(dict(wrapped.comm_stats.outcome_by_bucket))
-            plans.append(wrapped.engine.plan)
-            if clip is not None:  # right after step(), where training loops log it (lazy: not settled yet)
-                norms.append(opt.last_grad_norm)
-    result = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "outcomes": outcomes,
-              "params": [name for name, _ in model.named_parameters()], "plans": plans, "norms": norms}
-    if wrapper == "server":
-        result["state_bytes"] = opt.local_state_bytes()
-        opt.consolidate_state_dict(to=0)
-        result["optimizer"] = opt.state_dict() if rank == 0 else None
-        wrapped.close()
-    elif wrapper == "ddp":
-        result["optimizer"] = opt.state_dict()
-    return result
-
-
-def train_against(rank: int, world_size: int, spec: ModelSpec, anchors: tuple[str, ...], optimizer: str,
-                  steps: int, size: int, kwargs: dict | None = None) -> dict:
-    """The server's run and each anchor's (``"ddp"``, ``"zero"``) on the same data; ``kwargs`` for
-    :func:`train`."""
-    kwargs = kwargs or {}
-    return {w: train(rank, world_size, spec, w, optimizer, steps, size, **kwargs) for w in ("server",) + anchors}
+def make_optimizer(wrapped: nn.Module, model: nn.Module, wrapper: str, name: str, lazy: bool):
+    """``name``'s optimizer for ``wrapper`` ("server": a ServerOptimizer, lazy pulls or not)."""
+    return training.make_optimizer(wrapped, model, Run(wrapper=wrapper, optimizer=name, server={"lazy_pull": lazy}))
 
 
 def full_state_bytes(spec: ModelSpec, optimizer: str) -> int:
@@ -135,7 +41,7 @@ def delayed_pulls(rank: int, world_size: int, delay_s: float) -> dict:
     for wrapper in ("server", "ddp"):
         model = build(spec, seed=1)
         wrapped = PoseidonDDP(model, timeout=60, hybrid=False, fusion_bytes=0) if wrapper == "server" else DDP(model)
-        opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=True)
+        opt = make_optimizer(wrapped, model, wrapper, "adamw-decay", lazy=True)
         for step in range(4):
             if wrapper == "server" and step == 1:  # the buckets are learned: slow every pull from now on
                 slow(server_job(wrapped.engine, "PS"), ("network", "update"), delay_s)  # late to push, late to pull
@@ -171,7 +77,7 @@ def grad_edit_after_backward(rank: int, world_size: int, edit: str, lazy: bool, 
         model = build(spec, seed=1)
         options = {"hybrid": False, "fusion_bytes": 0} if force == "PS" else {"force": "SFB", "fusion_bytes": 0}
         wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, options)) if wrapper == "server" else DDP(model)
-        opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=lazy)
+        opt = make_optimizer(wrapped, model, wrapper, "adamw-decay", lazy=lazy)
         if wrapper == "server":
             slow(server_job(wrapped.engine, "PS"), ("network",), 0.05)
             slow(wrapped.engine.paths["SFB"], ("gather",), 0.05)
@@ -332,7 +238,7 @@ def attention_lazy(rank: int, world_size: int, fusion_bytes: int) -> dict:
         torch.manual_seed(3)
         model = AttentionNet()
         wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=fusion_bytes) if wrapper == "server" else DDP(model)
-        opt = make_optimizer(wrapped, model, wrapper, "sgd", "one", lazy=True)
+        opt = make_optimizer(wrapped, model, wrapper, "nesterov", lazy=True)
         for step in range(4):
             g = torch.Generator().manual_seed(step)
             x, y = torch.randn(2 * world_size, 5, 6, generator=g), torch.randn(2 * world_size, 5, 3, generator=g)
@@ -443,7 +349,7 @@ def pulls_in_order(rank: int, world_size: int, steps: int) -> dict:
     for wrapper in ("server", "ddp"):
         model = build(spec, seed=2)
         wrapped = PoseidonDDP(model, timeout=60, hybrid=False, fusion_bytes=0) if wrapper == "server" else DDP(model)
-        opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=True)
+        opt = make_optimizer(wrapped, model, wrapper, "adamw-decay", lazy=True)
         log: list[int] = []
         if wrapper == "server":
             job = server_job(wrapped.engine, "PS")
@@ -657,7 +563,7 @@ def closure_and_state_dict(rank: int, world_size: int) -> dict:
     for wrapper in ("server", "ddp"):
         model = build(spec, seed=3)
         wrapped = PoseidonDDP(model, timeout=60) if wrapper == "server" else DDP(model)
-        opt = make_optimizer(wrapped, model, wrapper, "adamw", "one", lazy=False)
+        opt = make_optimizer(wrapped, model, wrapper, "adamw-decay", lazy=False)
         if wrapper == "server":
             start = time.monotonic()
             if rank == 0:  # on one rank only: it must not wait for the others

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from models import ModelSpec, batch, build
 from poseidon_torch import PoseidonDDP
-from workers import shard, slow_link
+from training import shard
+from workers import slow_link
 
 STEPS, SKIP = 6, 3
 

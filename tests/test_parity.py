@@ -7,15 +7,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import training
 import workers
 from models import ModelSpec, model_specs
+from training import Run
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
 
 
 def assert_parity(results: list[dict], spec: ModelSpec, size: int, world_size: int, accumulate: int = 1):
-    reference = workers.train_reference(spec, STEPS, size, world_size, accumulate)
+    reference = training.bsp(spec, STEPS, size, world_size, accumulate=accumulate)["params"]
     rank0 = results[0]["poseidon"]["state"]
     for name, value in reference.items():
         torch.testing.assert_close(rank0[name], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} vs single process: {m}")
@@ -32,7 +34,7 @@ def assert_parity(results: list[dict], spec: ModelSpec, size: int, world_size: i
 @given(spec=model_specs(), size=st.integers(1, 5), chunk_elems=st.sampled_from([3, 64, 1 << 19]))
 def test_generated_models_match_single_process_and_ddp(cluster, spec, size, chunk_elems):
     options = {"chunk_bytes": 4 * chunk_elems, "fusion_bytes": 512}
-    results = cluster.run(workers.train_pair, spec, STEPS, size, 1, False, options)
+    results = cluster.run(training.train_pair, spec, Run(options=options), STEPS, size)
     assert_parity(results, spec, size, cluster.world_size)
 
 
@@ -48,7 +50,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_special_models_match(cluster, case):
     spec = CASES[case]
-    results = cluster.run(workers.train_pair, spec, STEPS, 3)
+    results = cluster.run(training.train_pair, spec, Run(), STEPS, 3)
     assert_parity(results, spec, 3, cluster.world_size)
 
 
@@ -64,20 +66,20 @@ def test_a_world_of_one_matches_single_process(cluster, force):
 def test_unused_parameters_keep_no_grad_like_ddp(cluster):
     """A layer no rank uses gets no gradient at all, so weight decay and momentum leave it alone."""
     spec = CASES["unused_branch"]
-    results = cluster.run(workers.train_pair, spec, STEPS, 2)
+    results = cluster.run(training.train_pair, spec, Run(), STEPS, 2)
     initial = workers.build(spec, seed=spec.seed).state_dict()["unused.weight"]
     assert torch.equal(results[0]["poseidon"]["state"]["unused.weight"], initial)
 
 
 def test_no_sync_accumulation(cluster):
     spec = ModelSpec(widths=(8, 5))
-    results = cluster.run(workers.train_pair, spec, STEPS, 2, 2)
+    results = cluster.run(training.train_pair, spec, Run(accumulate=2), STEPS, 2)
     assert_parity(results, spec, 2, cluster.world_size, accumulate=2)
 
 
 def test_rank_dependent_init_follows_rank0(cluster):
     spec = ModelSpec(conv_channels=(3,), batchnorm=True, widths=(6,), image=4)
-    results = cluster.run(workers.train_pair, spec, STEPS, 2, 1, True)
+    results = cluster.run(training.train_pair, spec, Run(rank_init=True), STEPS, 2)
     assert_parity(results, spec, 2, cluster.world_size)
 
 

@@ -14,7 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import delay_workers as dw
+import training
 from models import ModelSpec, fc_specs, model_specs
+from training import Run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,11 +43,11 @@ MATRIX = [(k, opt, force, engine) for k in (1, 2) for opt in ("sgd", "adamw") fo
                          ids=["mlp", "seq-tied"])
 def test_matches_k_delayed_sgd_every_path_core_and_optimizer(cluster, spec):
     """k = 1, 2 x SGD momentum, AdamW x hybrid (the coordinator's choice), PS, SFB (forced) x both cores."""
-    cases = [(k, opt, {"force": force, "engine": engine} if force else {"engine": engine})
-             for k, opt, force, engine in MATRIX]
-    results = cluster.run(dw.train_delayed_cases, spec, cases, STEPS, 3, timeout=400)
+    runs = [Run(delay=k, optimizer=opt, options={"force": force, "engine": engine} if force else {"engine": engine})
+            for k, opt, force, engine in MATRIX]
+    results = cluster.run(training.train_runs, spec, runs, STEPS, 3, timeout=400)
     for i, (k, opt, force, engine) in enumerate(MATRIX):
-        reference = dw.reference_delayed(spec, k, STEPS, 3, cluster.world_size, opt)
+        reference = training.pipe_sgd(spec, k, STEPS, 3, cluster.world_size, opt)
         what = f"delay={k} {opt} {force or 'hybrid'} {engine}"
         assert_delayed_parity([r[i] for r in results], reference, what)
         if force:  # the forced path really ran, on every bucket of the last steps
@@ -57,16 +59,16 @@ def test_matches_k_delayed_sgd_every_path_core_and_optimizer(cluster, spec):
        force=st.sampled_from([None, "PS", "SFB"]), size=st.integers(1, 4))
 def test_generated_models_match_k_delayed_sgd(cluster, spec, k, opt, force, size):
     options = {"force": force} if force else {"fusion_bytes": 512}
-    results = cluster.run(dw.train_delayed, spec, k, STEPS, size, opt, options, timeout=200)
-    assert_delayed_parity(results, dw.reference_delayed(spec, k, STEPS, size, cluster.world_size, opt), str(spec))
+    results = cluster.run(training.train, spec, Run(delay=k, optimizer=opt, options=options), STEPS, size, timeout=200)
+    assert_delayed_parity(results, training.pipe_sgd(spec, k, STEPS, size, cluster.world_size, opt), str(spec))
 
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_each_step_applies_the_gradient_of_exactly_k_steps_earlier(cluster, k):
     """``.grad`` after backward t is the average of step t-k (None before): neither fresher nor staler."""
     spec = ModelSpec(widths=(7,))
-    results = cluster.run(dw.train_delayed, spec, k, STEPS, 2, "sgd", {})
-    reference = dw.reference_delayed(spec, k, STEPS, 2, cluster.world_size)
+    results = cluster.run(training.train, spec, Run(delay=k), STEPS, 2)
+    reference = training.pipe_sgd(spec, k, STEPS, 2, cluster.world_size)
     for rank, result in enumerate(results):
         for step, (ours, theirs) in enumerate(zip(result["grads"], reference["grads"])):
             for name, expected in theirs.items():
@@ -75,15 +77,18 @@ def test_each_step_applies_the_gradient_of_exactly_k_steps_earlier(cluster, k):
                 else:
                     torch.testing.assert_close(ours[name], expected, rtol=RTOL, atol=ATOL,
                                                msg=lambda m: f"rank {rank} step {step} {name}: {m}")
-    fresher = dw.reference_delayed(spec, k - 1, STEPS, 2, cluster.world_size)["grads"]
+    fresher = training.pipe_sgd(spec, k - 1, STEPS, 2, cluster.world_size)["grads"]
     assert not torch.allclose(fresher[k]["body.0.weight"], results[0]["grads"][k]["body.0.weight"])
 
 
-@pytest.mark.parametrize("cases", ["train_delayed_cases", "train_server_delayed_cases"], ids=["default", "server"])
-def test_delay_zero_is_bit_identical_to_bsp(cluster, cases):
+@pytest.mark.parametrize("runs", [[Run(optimizer="adamw"), Run(optimizer="adamw", delay=0)],
+                                  [Run(wrapper="server", optimizer="adamw"),
+                                   Run(wrapper="server", optimizer="adamw", server={"delay": 0})]],
+                         ids=["default", "server"])
+def test_delay_zero_is_bit_identical_to_bsp(cluster, runs):
     """``delay=0`` and the argument left out give the same bits (PoseidonDDP, or ServerOptimizer)."""
     spec = ModelSpec(widths=(8, 5))
-    results = cluster.run(getattr(dw, cases), spec, [(None, "adamw", {}), (0, "adamw", {})], STEPS, 3)
+    results = cluster.run(training.train_runs, spec, runs, STEPS, 3)
     for default, zero in results:
         for name, value in default["state"].items():
             assert torch.equal(value, zero["state"][name]), name
@@ -221,10 +226,10 @@ def test_every_rank_raising_in_backward_drops_that_step_everywhere(cluster):
     """Every rank's backward raises at step 2 (a check every rank runs): all skip the step, the pipeline
     stays the same on every rank, and training continues as k-delayed SGD without that step."""
     spec = ModelSpec(widths=(8, 5))
-    results = cluster.run(dw.train_delayed, spec, 1, 6, 3, "sgd", {}, 2)
+    results = cluster.run(training.train, spec, Run(delay=1, skip=2), 6, 3)
     for result in results:
         assert result["errors"] == ["ValueError"], result["errors"]
-    assert_delayed_parity(results, dw.reference_delayed(spec, 1, 6, 3, cluster.world_size, skip=2), "skip")
+    assert_delayed_parity(results, training.pipe_sgd(spec, 1, 6, 3, cluster.world_size, skip=2), "skip")
 
 
 def test_one_rank_raising_in_backward_ends_training_everywhere_with_its_name(cluster):
@@ -266,7 +271,7 @@ def test_a_late_rank_holds_the_others_back_only_under_bsp(cluster, delay):
         else:
             assert result["step_s"][2] >= 0.9, (rank, result["step_s"])
     spec = ModelSpec(conv_channels=(4,), batchnorm=True)
-    assert_delayed_parity(results, dw.reference_delayed(spec, delay, 5, 2, cluster.world_size), f"delay={delay}")
+    assert_delayed_parity(results, training.pipe_sgd(spec, delay, 5, 2, cluster.world_size), f"delay={delay}")
 
 
 @pytest.mark.parametrize("delay", [0, 1])
@@ -296,8 +301,8 @@ def test_no_sync_accumulation_is_one_delayed_step(cluster, force):
     one step late (an SFB layer falls back to PS for the accumulated part, exactly)."""
     spec = ModelSpec(widths=(8, 5))
     options = {"force": force} if force else {}
-    results = cluster.run(dw.train_delayed, spec, 1, 4, 2, "sgd", options, None, 3)
-    reference = dw.reference_delayed(spec, 1, 4, 2, cluster.world_size, accumulate=3)
+    results = cluster.run(training.train, spec, Run(delay=1, options=options, accumulate=3), 4, 2)
+    reference = training.pipe_sgd(spec, 1, 4, 2, cluster.world_size, accumulate=3)
     assert_delayed_parity(results, reference, f"no_sync {force}")
 
 
@@ -336,12 +341,13 @@ def assert_server_delayed(results: list[dict], reference: dict, what: str) -> No
 def test_server_delay_follows_the_pipe_sgd_recurrence(cluster):
     """k = 1, 2 x SGD momentum, AdamW x hybrid, PS, SFB (forced) x both cores."""
     spec = ModelSpec(widths=(8, 5))
-    cases = [(k, opt, {"force": force, "engine": engine} if force else {"engine": engine})
-             for k, opt, force, engine in SERVER_MATRIX]
-    results = cluster.run(dw.train_server_delayed_cases, spec, cases, STEPS, 3, timeout=400)
+    runs = [Run(wrapper="server", server={"delay": k}, optimizer=opt,
+                options={"force": force, "engine": engine} if force else {"engine": engine})
+            for k, opt, force, engine in SERVER_MATRIX]
+    results = cluster.run(training.train_runs, spec, runs, STEPS, 3, timeout=400)
     for i, (k, opt, force, engine) in enumerate(SERVER_MATRIX):
         what = f"server delay={k} {opt} {force or 'hybrid'} {engine}"
-        reference = dw.reference_server_delayed(spec, k, STEPS, 3, cluster.world_size, opt)
+        reference = training.server_pipe_sgd(spec, k, STEPS, 3, cluster.world_size, opt)
         assert_server_delayed([r[i] for r in results], reference, what)
         if force:
             assert set(results[0][i]["paths"][-1].values()) == {force}, what
@@ -352,8 +358,9 @@ def test_server_delay_follows_the_pipe_sgd_recurrence(cluster):
        force=st.sampled_from([None, "PS", "SFB"]))
 def test_server_delay_generated_models(cluster, spec, k, opt, force):
     options = {"force": force} if force else {"fusion_bytes": 512}
-    results = cluster.run(dw.train_server_delayed, spec, k, STEPS, 2, opt, options, timeout=200)
-    reference = dw.reference_server_delayed(spec, k, STEPS, 2, cluster.world_size, opt)
+    run = Run(wrapper="server", server={"delay": k}, optimizer=opt, options=options)
+    results = cluster.run(training.train, spec, run, STEPS, 2, timeout=200)
+    reference = training.server_pipe_sgd(spec, k, STEPS, 2, cluster.world_size, opt)
     assert_server_delayed(results, reference, str(spec))
 
 
@@ -397,7 +404,7 @@ def test_an_exception_in_the_last_step_is_named_at_once(cluster, delay):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_server_parameters_are_what_the_next_forward_reads_and_finish_lands_the_newest(cluster, k):
-    reference = dw.reference_server_delayed(ModelSpec(widths=(8, 5)), k, dw.STEPS_FINAL, 3, cluster.world_size)
+    reference = training.server_pipe_sgd(ModelSpec(widths=(8, 5)), k, dw.STEPS_FINAL, 3, cluster.world_size)
     for rank, result in enumerate(cluster.run(dw.server_final_model, k)):
         for name, value in reference["params"].items():  # the forward of step STEPS_FINAL would read these
             torch.testing.assert_close(result["after"][name], value, rtol=RTOL, atol=ATOL)

@@ -8,12 +8,19 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import server_workers
+import training
 from models import ModelSpec, fc_specs, model_specs
 from rounding import adam_slack, assert_close_within_slack
+from training import Run
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 4
 CORES = [pytest.param({"POSEIDON_ENGINE": "python"}, id="python-core"), pytest.param({}, id="default-core")]
+
+
+def server_run(optimizer: str, lazy: bool = False, **fields) -> Run:
+    """A ServerOptimizer run with ``optimizer`` (a name of ``training.OPTIMIZERS``), lazy pulls or not."""
+    return Run(wrapper="server", optimizer=optimizer, server={"lazy_pull": lazy}, **fields)
 
 
 def assert_same_parameters(results: list[dict], anchors: tuple[str, ...] = ("ddp",),
@@ -54,16 +61,16 @@ def adaptive_safe(spec: ModelSpec, optimizer: str) -> bool:
     """Adam divides by the gradient's own size: a parameter whose exact gradient is zero (a conv bias
     under BatchNorm) moves by the sign of summation noise, which differs between any two all-reduce
     orders (torch DDP and torch DDP + ZeRO agree only because they share one)."""
-    return optimizer == "sgd" or not (spec.batchnorm and spec.bias)
+    return optimizer == "nesterov" or not (spec.batchnorm and spec.bias)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(spec=model_specs(), optimizer=st.sampled_from(["sgd", "adam", "adamw"]), groups=st.sampled_from(["one", "two"]),
+@given(spec=model_specs(), optimizer=st.sampled_from(["nesterov", "adam", "adamw-decay"]), groups=st.sampled_from(["one", "two"]),
        schedule=st.booleans(), chunk_bytes=st.sampled_from([64, 4096, 2 << 20]))
 def test_ps_models_match_ddp(cluster, spec, optimizer, groups, schedule, chunk_bytes):
     assume(adaptive_safe(spec, optimizer))
-    results = cluster.run(server_workers.train_against, spec, ("ddp",), optimizer, STEPS, 3,
-                          dict(groups=groups, schedule=schedule, options={"hybrid": False, "chunk_bytes": chunk_bytes}))
+    run = server_run(optimizer, groups=groups, schedule=schedule, options={"hybrid": False, "chunk_bytes": chunk_bytes})
+    results = cluster.run(training.against, spec, run, ("ddp",), STEPS, 3)
     assert_same_parameters(results, slack=adam_slack(spec, optimizer, STEPS, 3, cluster.world_size, groups, schedule))
 
 
@@ -72,9 +79,9 @@ def test_adamw_where_the_ranks_gradients_cancel(cluster):
     cancel to 1/75000 of their size at step 1. Held to rtol 1e-5 / atol 1e-6 plus the first-order
     bound of what two fp32 orders of that sum can do through AdamW, and no further."""
     spec = ModelSpec(in_features=11, widths=(10, 9), out_features=4, seed=75)
-    results = cluster.run(server_workers.train_against, spec, ("ddp",), "adamw", STEPS, 3,
-                          dict(options={"hybrid": False, "chunk_bytes": 64}))
-    slack = adam_slack(spec, "adamw", STEPS, 3, cluster.world_size)
+    run = server_run("adamw-decay", options={"hybrid": False, "chunk_bytes": 64})
+    results = cluster.run(training.against, spec, run, ("ddp",), STEPS, 3)
+    slack = adam_slack(spec, "adamw-decay", STEPS, 3, cluster.world_size)
     weight = slack["body.0.weight"]
     assert float(weight.median()) < 1e-7 and float(weight.max()) < 1e-4  # loosened only where they cancel
     if cluster.world_size == 3:
@@ -83,13 +90,13 @@ def test_adamw_where_the_ranks_gradients_cancel(cluster):
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(spec=fc_specs(), optimizer=st.sampled_from(["sgd", "adamw"]), lazy=st.booleans())
+@given(spec=fc_specs(), optimizer=st.sampled_from(["nesterov", "adamw-decay"]), lazy=st.booleans())
 def test_hybrid_models_match_ddp(cluster, spec, optimizer, lazy):
     """FC layers forced onto SFB update on every rank, the rest at the owners."""
-    results = cluster.run(server_workers.train_against, spec, ("ddp",), optimizer, STEPS, 3,
-                          dict(lazy=lazy, options={"force": "SFB"}))
+    results = cluster.run(training.against, spec, server_run(optimizer, lazy, options={"force": "SFB"}), ("ddp",),
+                          STEPS, 3)
     assert_same_parameters(results)
-    assert "SFB" in results[0]["server"]["outcomes"][-1].values()
+    assert "SFB" in results[0]["server"]["paths"][-1].values()
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["step-waits", "lazy-pull"])
@@ -98,8 +105,8 @@ def test_matches_ddp_and_zero_with_groups_and_scheduler(cluster, env, lazy):
     """The scheduler steps right after step(): with lazy pulls the jobs still run then, and must use
     the hyperparameters of their own step."""
     spec = ModelSpec(widths=(24, 16), conv_channels=(3,), batchnorm=True, bias=False)
-    results = cluster.run(server_workers.train_against, spec, ("ddp", "zero"), "adamw", 5, 3,
-                          dict(groups="two", schedule=True, lazy=lazy, options={"chunk_bytes": 256}), env=env)
+    run = server_run("adamw-decay", lazy, groups="two", schedule=True, options={"chunk_bytes": 256})
+    results = cluster.run(training.against, spec, run, ("ddp", "zero"), 5, 3, env=env)
     assert_same_parameters(results, ("ddp", "zero"))
 
 
@@ -109,8 +116,8 @@ def test_gradient_accumulation_and_unused_layers(cluster, lazy, set_to_none):
     """no_sync accumulation; a layer only rank 0 uses; a layer no rank uses: with .grad None torch's
     Adam leaves it alone, with .grad zeroed it steps it (weight decay): so must the servers."""
     spec = ModelSpec(widths=(8, 6), unused_branch=True, rank0_branch=True)
-    results = cluster.run(server_workers.train_against, spec, ("ddp",), "adam", 3, 2,
-                          dict(accumulate=2, lazy=lazy, set_to_none=set_to_none))
+    run = server_run("adam", lazy, accumulate=2, set_to_none=set_to_none)
+    results = cluster.run(training.against, spec, run, ("ddp",), 3, 2)
     assert_same_parameters(results)
 
 
@@ -143,10 +150,10 @@ def test_editing_grad_after_backward_has_no_effect_whatever_the_timing(cluster, 
 def test_optimizer_state_is_sharded(cluster, options):
     """Also for FC layers on SFB: their owners update them and the new values are pulled."""
     spec = ModelSpec(in_features=64, widths=(256, 256), out_features=8)
-    results = cluster.run(server_workers.train_against, spec, (), "adamw", 2, 2, dict(options=options))
+    results = cluster.run(training.against, spec, server_run("adamw-decay", options=options), (), 2, 2)
     if "force" in options:
-        assert set(results[0]["server"]["outcomes"][-1].values()) == {"SFB"}
-    full = server_workers.full_state_bytes(spec, "adamw")
+        assert set(results[0]["server"]["paths"][-1].values()) == {"SFB"}
+    full = server_workers.full_state_bytes(spec, "adamw-decay")
     per_rank = [r["server"]["state_bytes"] for r in results]
     assert abs(sum(per_rank) - full) <= 64 * cluster.world_size  # the whole state, each element once
     for got in per_rank:
@@ -156,8 +163,7 @@ def test_optimizer_state_is_sharded(cluster, options):
 def test_layerwise_optimizer_sees_whole_parameters(cluster):
     """An optimizer that is not elementwise (LARS here) gets chunks aligned to parameters."""
     spec = ModelSpec(in_features=16, widths=(32, 32), out_features=4)
-    results = cluster.run(server_workers.train_against, spec, ("ddp",), "lars", 3, 3,
-                          dict(options={"chunk_bytes": 512}))
+    results = cluster.run(training.against, spec, server_run("lars", options={"chunk_bytes": 512}), ("ddp",), 3, 3)
     assert_same_parameters(results)
 
 
@@ -225,14 +231,14 @@ CLIP = 0.01  #: below every step's gradient norm in these runs (asserted), so cl
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(spec=fc_specs(), optimizer=st.sampled_from(["sgd", "adamw"]), lazy=st.booleans(),
+@given(spec=fc_specs(), optimizer=st.sampled_from(["nesterov", "adamw-decay"]), lazy=st.booleans(),
        force=st.sampled_from(["PS", "SFB"]))
 def test_global_norm_clipping_matches_ddp_with_clip_grad_norm(cluster, spec, optimizer, lazy, force):
     """max_grad_norm at the owners == DDP + clip_grad_norm_ before step(), on the PS path and with FC
     layers on SFB; every job is split at the update, and the norm is the one clip_grad_norm_ returns."""
     options = {"hybrid": False} if force == "PS" else {"force": "SFB"}
-    results = cluster.run(server_workers.train_against, spec, ("ddp",), optimizer, STEPS, 3,
-                          dict(lazy=lazy, clip=CLIP, options=options))
+    results = cluster.run(training.against, spec, server_run(optimizer, lazy, clip=CLIP, options=options), ("ddp",),
+                          STEPS, 3)
     assert_same_parameters(results)
     for result in results:
         server, ddp = result["server"], result["ddp"]
@@ -240,7 +246,7 @@ def test_global_norm_clipping_matches_ddp_with_clip_grad_norm(cluster, spec, opt
         assert all(plan.split == frozenset(range(plan.buckets)) for plan in server["plans"])
         torch.testing.assert_close(server["norms"], ddp["norms"], rtol=RTOL, atol=0)
     if force == "SFB":
-        assert "SFB" in results[0]["server"]["outcomes"][-1].values()
+        assert "SFB" in results[0]["server"]["paths"][-1].values()
 
 
 def test_clipping_waits_for_every_push(cluster):

@@ -6,8 +6,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import training
 import workers
 from models import ModelSpec, fc_specs
+from training import Run
 from test_parity import RTOL, ATOL, STEPS, assert_parity
 
 SLOW_LINK = workers.slow_link()
@@ -25,16 +27,16 @@ def assert_path_ran(results: list[dict], layers, path: str) -> None:
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=fc_specs(), size=st.integers(1, 4), force=st.sampled_from(["SFB", "PS"]))
 def test_forced_paths_match_single_process_and_ddp(cluster, spec, size, force):
-    results = cluster.run(workers.train_pair, spec, STEPS, size, 1, False, {"force": force})
+    results = cluster.run(training.train_pair, spec, Run(options={"force": force}), STEPS, size)
     assert_parity(results, spec, size, cluster.world_size)
-    assert_path_ran(results, workers.fc_overrides(workers.build(spec, 0), force), force)
+    assert_path_ran(results, training.fc_overrides(training.build(spec, 0), force), force)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(width=st.integers(64, 160), size=st.integers(1, 3), seed=st.integers(0, 1000))
 def test_cost_model_picks_sfb_for_wide_layers_and_stays_exact(cluster, width, size, seed):
     spec = ModelSpec(in_features=width, widths=(width,), out_features=4, seed=seed)
-    results = cluster.run(workers.train_pair, spec, STEPS, size, 1, False, {"link": SLOW_LINK, "fusion_bytes": 0})
+    results = cluster.run(training.train_pair, spec, Run(options={"link": SLOW_LINK, "fusion_bytes": 0}), STEPS, size)
     assert_path_ran(results, ["body.0"], "SFB")
     assert all(r["poseidon"]["sent"][-1]["SFB"] > 0 for r in results)
     assert_parity(results, spec, size, cluster.world_size)
@@ -46,7 +48,7 @@ def test_a_weight_shared_by_two_modules_stays_on_ps_and_exact(cluster):
     whatever the link says, while the other FC layers still do (a break-test found a ``KeyError`` in
     backward when the cost model picked SFB for the module that owns only the bias)."""
     spec = ModelSpec(in_features=64, widths=(64,), out_features=4, shared_across=True)
-    results = cluster.run(workers.train_pair, spec, STEPS, 2, 1, False, {"link": SLOW_LINK, "fusion_bytes": 0})
+    results = cluster.run(training.train_pair, spec, Run(options={"link": SLOW_LINK, "fusion_bytes": 0}), STEPS, 2)
     assert_parity(results, spec, 2, cluster.world_size)
     assert_path_ran(results, ["body.0"], "SFB")
     assert_path_ran(results, ["square", "twin"], "PS")
@@ -55,8 +57,8 @@ def test_a_weight_shared_by_two_modules_stays_on_ps_and_exact(cluster):
 @pytest.mark.parametrize("zero_grad", ["after", "never"])
 def test_sfb_keeps_gradients_that_were_already_there(cluster, zero_grad):
     spec = ModelSpec(in_features=10, widths=(12,), out_features=3)
-    results = cluster.run(workers.train_pair, spec, STEPS, 2, 1, False, {"force": "SFB"}, zero_grad)
-    reference = workers.train_reference(spec, STEPS, 2, cluster.world_size, zero_grad=zero_grad)
+    results = cluster.run(training.train_pair, spec, Run(options={"force": "SFB"}, zero_grad=zero_grad), STEPS, 2)
+    reference = training.bsp(spec, STEPS, 2, cluster.world_size, zero_grad=zero_grad)["params"]
     assert_path_ran(results, ["body.0", "head"], "SFB")
     for rank, result in enumerate(results):
         for name, value in reference.items():
@@ -68,7 +70,7 @@ def test_sfb_keeps_gradients_that_were_already_there(cluster, zero_grad):
 
 def test_no_sync_accumulation_with_sfb_layers(cluster):
     spec = ModelSpec(in_features=10, widths=(12,), out_features=3)
-    results = cluster.run(workers.train_pair, spec, STEPS, 2, 2, False, {"force": "SFB"})
+    results = cluster.run(training.train_pair, spec, Run(options={"force": "SFB"}, accumulate=2), STEPS, 2)
     assert_parity(results, spec, 2, cluster.world_size, accumulate=2)
     # accumulated gradients are more than the factors: the first synced pass (on PS, as every first
     # pass) already sees them, so the layer never goes to SFB (test_patterns covers the fallback when
@@ -83,10 +85,10 @@ def test_sfb_special_models(cluster, case):
             "seq_inputs": ModelSpec(widths=(9, 7), seq=4),
             "custom_head": ModelSpec(widths=(8,), custom_head=True),
             "unused_branch": ModelSpec(widths=(8,), unused_branch=True)}[case]
-    results = cluster.run(workers.train_pair, spec, STEPS, 3, 1, False, {"force": "SFB"})
+    results = cluster.run(training.train_pair, spec, Run(options={"force": "SFB"}), STEPS, 3)
     assert_parity(results, spec, 3, cluster.world_size)
     assert_path_ran(results, ["body.0", "head"], "SFB")
-    initial = workers.build(spec, seed=spec.seed).state_dict()
+    initial = training.build(spec, seed=spec.seed).state_dict()
     if spec.unused_branch:  # no rank used it: no gradient, so weight decay left it alone
         assert torch.equal(results[0]["poseidon"]["state"]["unused.weight"], initial["unused.weight"])
 

@@ -12,90 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from models import ModelSpec, batch, build
 from poseidon_torch import PoseidonDDP
 from poseidon_torch.paths import WrappedPath
-
-OPTIMIZER = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
-
-
-def shard(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    return t[rank * size:(rank + 1) * size]
-
-
-def fc_overrides(model: torch.nn.Module, path: str) -> dict[str, str]:
-    """Force ``path`` on every FC module (each its own syncer when fusion_bytes=0)."""
-    from poseidon_torch.fc import fc_spec
-
-    return {name: path for name, m in model.named_modules() if fc_spec(m) is not None
-            and any(p.requires_grad for p in m.parameters(recurse=False))}
-
-
-def poseidon_options(model: torch.nn.Module, options: dict | None) -> dict:
-    options = dict(options or {})
-    force = options.pop("force", None)
-    if force:
-        options.update(fusion_bytes=0, overrides=fc_overrides(model, force))
-    return options
-
-
-def train(rank: int, world_size: int, spec: ModelSpec, wrapper: str, steps: int, size: int,
-          accumulate: int = 1, rank_init: bool = False, options: dict | None = None,
-          zero_grad: str = "before") -> dict:
-    """Train with torch DDP or PoseidonDDP; returns the final state and per-iteration bytes sent.
-    ``zero_grad``: "before" the forward, "after" the forward, or "never" (gradients keep summing)."""
-    model = build(spec, seed=spec.seed + (7919 * rank if rank_init else 0))
-    if wrapper == "poseidon":
-        wrapped = PoseidonDDP(model, timeout=60, **poseidon_options(model, options))
-    else:
-        wrapped = DDP(model, find_unused_parameters=spec.unused_branch or spec.rank0_branch)
-    opt = torch.optim.SGD(wrapped.parameters(), **OPTIMIZER)
-    sent, paths = [], []
-    for step in range(steps):
-        if zero_grad == "before":
-            opt.zero_grad()
-        for micro in range(accumulate):
-            x, y = batch(spec, step * accumulate + micro, size, world_size)
-            last = micro == accumulate - 1
-            with contextlib.nullcontext() if last else wrapped.no_sync():
-                out = wrapped(shard(x, rank, size), use_side=spec.rank0_branch and rank == 0)
-                if zero_grad == "after" and micro == 0:
-                    opt.zero_grad()
-                F.mse_loss(out, shard(y, rank, size)).backward()
-        opt.step()
-        if wrapper == "poseidon":
-            sent.append(dict(wrapped.comm_stats.bytes_by_path))
-            paths.append(dict(wrapped.comm_stats.outcome_by_bucket))
-    if wrapper == "poseidon":
-        wrapped.close()
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "sent": sent,
-            "paths": paths}
-
-
-def train_pair(rank: int, world_size: int, spec: ModelSpec, steps: int, size: int, accumulate: int = 1,
-               rank_init: bool = False, options: dict | None = None, zero_grad: str = "before") -> dict:
-    return {w: train(rank, world_size, spec, w, steps, size, accumulate, rank_init, options, zero_grad)
-            for w in ("poseidon", "ddp")}
-
-
-def train_reference(spec: ModelSpec, steps: int, size: int, world_size: int, accumulate: int = 1,
-                    zero_grad: str = "before") -> dict:
-    """Single-process training on the concatenated batch. With BatchNorm or a rank-0-only branch the
-    ranks' forwards differ, so the loss is the mean of the per-shard losses (the same objective)."""
-    model = build(spec, seed=spec.seed)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], **OPTIMIZER)
-    per_shard = spec.batchnorm or spec.rank0_branch
-    for step in range(steps):
-        if zero_grad != "never":
-            opt.zero_grad()
-        for micro in range(accumulate):
-            x, y = batch(spec, step * accumulate + micro, size, world_size)
-            if per_shard:
-                losses = [F.mse_loss(model(shard(x, r, size), use_side=spec.rank0_branch and r == 0),
-                                     shard(y, r, size)) for r in range(world_size)]
-                loss = sum(losses) / world_size
-            else:
-                loss = F.mse_loss(model(x), y)
-            loss.backward()
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
+from training import OPTIMIZERS, Run, poseidon_options, shard, train
 
 
 def sync_timing(rank: int, world_size: int, trace_dir: str) -> dict:
@@ -372,7 +289,8 @@ def train_pair_group(rank: int, world_size: int, spec: ModelSpec, steps: int, si
         if unordered and wrapper == "poseidon":
             ordered = wrapped.engine._device_stream
             wrapped.engine._device_stream = lambda after, channel: ordered(torch.cuda.Event(), channel)
-        opt = torch.optim.SGD(wrapped.parameters(), **OPTIMIZER)
+        cls, kwargs = OPTIMIZERS["sgd"]
+        opt = cls(wrapped.parameters(), **kwargs)
         with _late_uploads(late_uploads if wrapper == "poseidon" else "") as uploads:
             for step in range(steps):
                 x, y = batch(spec, step, size, world_size)
@@ -619,8 +537,8 @@ def learned_buckets(rank: int, world_size: int) -> dict:
 def train_engines(rank: int, world_size: int, spec: ModelSpec, steps: int, size: int, accumulate: int,
                   options: dict) -> dict:
     """The same training with the Python core and with the native core; both final states."""
-    return {engine: train(rank, world_size, spec, "poseidon", steps, size, accumulate,
-                          options=dict(options, engine=engine))["state"] for engine in ("python", "native")}
+    return {engine: train(rank, world_size, spec, Run(options=dict(options, engine=engine), accumulate=accumulate),
+                          steps, size)["state"] for engine in ("python", "native")}
 
 
 def core_kind(rank: int, world_size: int) -> str:
@@ -632,9 +550,8 @@ def core_kind(rank: int, world_size: int) -> str:
 
 def train_chunkings(rank: int, world_size: int, spec: ModelSpec, chunks: tuple[int, ...]) -> list[dict]:
     """The same training on the PS path with different chunk sizes (different owners per element)."""
-    return [train(rank, world_size, spec, "poseidon", 3, 3, options={"hybrid": False, "chunk_bytes": c,
-                                                                       "fusion_bytes": 0})["state"]
-            for c in chunks]
+    return [train(rank, world_size, spec, Run(options={"hybrid": False, "chunk_bytes": c, "fusion_bytes": 0}), 3,
+                  3)["state"] for c in chunks]
 
 
 def compiled_training(rank: int, world_size: int, how: str, options: dict, server: str | None = None,
