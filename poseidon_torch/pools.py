@@ -159,7 +159,7 @@ class ChannelGroups:
     (measured on the emulated 1 Gbit/s link: 32 MB each way took 539 ms on one group, 276 ms with one
     group per direction), so a gloo channel has a backend for messages from a lower to a higher rank
     (``up``) and one for the way back (``down``); NCCL's coalesced point-to-point calls are duplex on
-    one. Collectives of the channel (all-gathers) run on ``up``."""
+    one. Collectives of the channel (all-gathers, all-reduces) run on ``up``."""
 
     up: Backend
     down: Backend
@@ -184,6 +184,10 @@ class ChannelGroups:
 
     def all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
         self.up._allgather_base(out, mine).wait()
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks, in place."""
+        self.up.allreduce([tensor], _options(dist.AllreduceOptions, reduceOp=dist.ReduceOp.SUM)).wait()
 
 
 @dataclass
