@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .allreduce import AllReducePath
 from .base import (AtOwners, BucketCost, FCCost, GradWriter, OnEveryRank, Path, PathEnv, Prediction, SyncContext,
                    WrappedPath, drive)
 from .ps import DEFAULT_CHUNK_BYTES, PSPath
@@ -20,6 +21,7 @@ from .sfb import SFBPath
 REGISTERED: tuple[type[Path], ...] = (
     PSPath,
     SFBPath,
+    AllReducePath,
 )
 
 
