@@ -53,7 +53,7 @@ from .fc import FCLayer, fc_layers
 from .graph import hook_target
 from .link import LinkModel, theil_sen
 from .modes import Mode
-from .paths import GradWriter, Path, PathEnv, Paths, SyncContext, drive
+from .paths import GradWriter, Job, PathEnv, Paths, SyncContext, drive
 from .pools import Groups, StreamPool, started_at_lower_priority
 from .schedule import ChannelPlan, Halves, plan_channels
 from .stats import CommStats
@@ -691,7 +691,7 @@ class Engine:
         halves = Halves(phases, "update")
         return _Slot(ctx, self.core.submit_ns(index), halves.first(), halves)
 
-    def _job(self, path: str) -> Path:
+    def _job(self, path: str) -> Job:
         """The job of a bucket on path ``path`` this pass: the path's, as the mode composes it."""
         return self.mode.job(self.paths[path])
 

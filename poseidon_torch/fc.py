@@ -29,7 +29,7 @@ Invariants (factors only where they are exact):
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch

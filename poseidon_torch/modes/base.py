@@ -39,7 +39,7 @@ from torch import nn
 from ..barrier import SyncError
 from ..bucket import Bucket, Layer
 from ..coordinator import Coordinator, PassFacts
-from ..paths import GradWriter, Path, Paths
+from ..paths import GradWriter, Job, Path, Paths
 from ..pools import ChannelGroups, Collectives
 from ..trace import Recorder
 from .state import check_delay
@@ -105,7 +105,7 @@ class Mode:
     #: ``lockstep``), at most the wrapper's ``fusion_bytes``
     first_fusion_bytes: ClassVar[int] = INITIAL_FUSION_BYTES
     #: what makes a synced backward return before its sync is done, in error messages
-    deferral: ClassVar[str] = ""
+    deferral: str = ""
 
     # ---- the engine starts ------------------------------------------------------------------------
 
@@ -118,7 +118,7 @@ class Mode:
     def buckets_changed(self, buckets: Sequence[Bucket]) -> None:
         """New buckets are installed and the paths prepared for them."""
 
-    def job(self, path: Path) -> Path:
+    def job(self, path: Path) -> Job:
         """The job a bucket on ``path`` runs (the path itself, or the path composed with more)."""
         return path
 

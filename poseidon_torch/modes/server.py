@@ -25,7 +25,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +73,7 @@ class ServerMode(Mode):
     def __init__(self, request: ServerRequest) -> None:
         self.request, self.spec = request, request.spec
         self.engine: Engine | None = None
-        self.server = None  #: this rank's shards (``server.py``), once attached
+        self.server: Server | None = None  #: this rank's shards (``server.py``), once attached
         self._jobs: dict[Path, ServerUpdate] = {}
         self._hooks: list = []
         self._modules_of: dict[int, list[nn.Module]] = {}  #: id(parameter) -> the modules whose forward reads it
@@ -112,11 +112,11 @@ class ServerMode(Mode):
                 self._hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
                 self._hooks.append(module.register_load_state_dict_pre_hook(self._before_load))
 
-    def make_server(self):
+    def make_server(self) -> Server:
         """This rank's shards."""
         return Server(self.spec, self.value_source())
 
-    def value_source(self):
+    def value_source(self) -> Callable[[nn.Parameter], Tensor] | None:
         """Where the owners step from (None: the live parameters)."""
         return None
 
@@ -141,7 +141,7 @@ class ServerMode(Mode):
                     if index not in indices:
                         indices.append(index)
 
-    def job(self, path: Path) -> Path:
+    def job(self, path: Path) -> ServerUpdate:
         """``path`` with the update at the owners (one job per path object)."""
         job = self._jobs.get(path)
         if job is None:
@@ -333,7 +333,7 @@ class PipeServer(ServerMode):
         self._newest: dict[int, Tensor] = {}  #: id(param) -> its newest value (what the owners step from)
         self._restored = False  #: values loaded from a checkpoint, no forward since: loading the model keeps them
 
-    def value_source(self):
+    def value_source(self) -> Callable[[nn.Parameter], Tensor]:
         return self._newest_value
 
     def _newest_value(self, param: nn.Parameter) -> Tensor:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from .allreduce import AllReducePath
-from .base import (AtOwners, BucketCost, FCCost, GradWriter, OnEveryRank, Path, PathEnv, Prediction, SyncContext,
-                   WrappedPath, drive)
+from .base import (AtOwners, BucketCost, FCCost, GradWriter, Job, OnEveryRank, Path, PathEnv, Prediction,
+                   SyncContext, WrappedPath, drive)
 from .ps import DEFAULT_CHUNK_BYTES, PSPath
 from .sfb import SFBPath
 
@@ -62,5 +62,5 @@ class Paths(dict[str, Path]):
         return self[REGISTERED[0].name]
 
 
-__all__ = ["REGISTERED", "Paths", "Path", "WrappedPath", "PathEnv", "SyncContext", "Prediction", "BucketCost", "FCCost",
+__all__ = ["REGISTERED", "Paths", "Path", "Job", "WrappedPath", "PathEnv", "SyncContext", "Prediction", "BucketCost", "FCCost",
            "GradWriter", "AtOwners", "OnEveryRank", "drive", "names", "default_name", "path_class"]

@@ -123,6 +123,19 @@ Reduced = AtOwners | OnEveryRank
 Phases = Generator[str, None, bool]
 
 
+class Job(Protocol):
+    """What a bucket's job is to the engine: a path, or a path a mode composed with more (the update at
+    the owners, ``update.py``): its name (the path's), whether the native core runs it, its staging and
+    its phases."""
+
+    name: str
+    native: bool
+
+    def stage(self, bucket: Bucket, ctx: SyncContext) -> None: ...
+
+    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Phases: ...
+
+
 class Path:
     """One way of moving a bucket's gradient (see the module docstring); subclass it and register it."""
 

@@ -25,16 +25,18 @@ from torch import Tensor
 
 from ..bucket import Bucket
 from ..pools import ChannelGroups
+from ..server import Piece, Server
 from .base import AtOwners, OnEveryRank, Path, SyncContext
 from .ps import PSPath
 
 
 class ServerUpdate:
-    """``inner``'s job with the update at the owners (``server``: this rank's shards over ``kv``'s chunks)."""
+    """``inner``'s job with the update at the owners (``server``: this rank's shards over ``kv``'s chunks):
+    a :class:`~.base.Job`."""
 
     native = False
 
-    def __init__(self, inner: Path, kv: PSPath, server) -> None:
+    def __init__(self, inner: Path, kv: PSPath, server: Server) -> None:
         self.inner, self.kv, self.server = inner, kv, server
         self.name = inner.name
 
@@ -64,7 +66,7 @@ class ServerUpdate:
         return synced
 
 
-def gradients(reduced: AtOwners | OnEveryRank, bucket: Bucket, pieces: list) -> list[Tensor | None]:
+def gradients(reduced: AtOwners | OnEveryRank, bucket: Bucket, pieces: list[Piece]) -> list[Tensor | None]:
     """Each owned piece's averaged gradient (None: not stepped: the pass was aborted, or no rank used
     its parameter)."""
     if isinstance(reduced, AtOwners):
