@@ -61,6 +61,7 @@ def _ok(report: dict, mode: str) -> dict:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", BSP_MODES)
 def test_bsp_modes_follow_torch_ddp_against_steps(digits_run: tuple, mode: str) -> None:
     _, report, _ = digits_run
@@ -138,6 +139,7 @@ def test_one_host_trains_alone_on_its_shard(digits_run: tuple) -> None:
     assert "| vs DDP | vs one-host |" in done.stdout and "- one-host: host 0 alone on its shard" in done.stdout
 
 
+@pytest.mark.slow
 def test_a_time_budget_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
     """Lockstep modes stop every rank after the step rank 0 publishes; local SGD after a step that
     averages (its ranks meet only there), with one model on every rank; compute-only, which never
@@ -161,6 +163,7 @@ def test_a_time_budget_stops_every_rank_after_the_same_step(tmp_path: Path) -> N
         assert ends[-2] < budget <= ends[-1] + 0.05, ends[-3:]  # + the few lines between its end and the check
 
 
+@pytest.mark.slow
 def test_a_persistent_straggler_computes_factor_times_slower(tmp_path: Path) -> None:
     """Host 1 computes 3x slower: each of its steps takes (3 - 1) x its step compute longer than host 0's.
 
@@ -213,6 +216,7 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: tu
     assert refused.value.code == 2 and message in stderr, stderr
 
 
+@pytest.mark.slow
 def test_a_rank_past_its_timeout_is_named_as_such(tmp_path: Path) -> None:
     done, report = run_accuracy(tmp_path, "--task", "lm", "--steps", "100000", "--timeout", "3",
                                 "--modes", "torch-ddp")
@@ -232,6 +236,7 @@ def test_a_timed_out_rank_is_blamed_not_the_peer_that_lost_it(tmp_path: Path) ->
     assert "ran past its --timeout" in str(failure.value)
 
 
+@pytest.mark.slow
 def test_the_default_target_of_a_run_shorter_than_the_grid_is_its_final_point(tmp_path: Path) -> None:
     _, report = run_accuracy(tmp_path, "--task", "digits", "--steps", "3", "--eval-every", "20",
                              "--modes", "torch-ddp,poseidon-ps")

@@ -45,6 +45,7 @@ def _check_mode(result: dict) -> None:
     assert result["samples_per_s"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_mode_has_positive_times(bench_run: tuple, mode: str) -> None:
     _, report, _ = bench_run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,6 +12,7 @@ import workers
 from poseidon_torch.bucket import JobCost, Layer, group_layers, readiness_order
 
 
+@pytest.mark.slow
 def test_learned_buckets_are_identical_on_all_ranks_when_hook_order_differs(cluster):
     results = cluster.run(workers.learned_buckets)
     orders = {tuple(r["order"]) for r in results}
@@ -118,6 +120,7 @@ def test_readiness_order_puts_unready_layers_last():
     assert ready == {"c": 0.1, "a": 0.2, "b": 0.2}
 
 
+@pytest.mark.slow
 def test_the_first_rebuild_ignores_how_slow_the_first_jobs_were(cluster):
     """Issue 20: the first pass's job times are cold; a job cost fitted to them learned 2 to 7 jobs in
     fresh runs of one model. The first rebuild costs jobs by the link model: the same buckets whether

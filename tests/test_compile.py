@@ -17,6 +17,7 @@ def assert_matches_eager_ddp(results: list[dict], reference: list[dict]) -> None
             torch.testing.assert_close(ours["params"][name], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["inner", "outer"], ids=["compile-then-wrap", "wrap-then-compile"])
 def test_compiled_module_trains_exactly_without_graph_breaks_and_keeps_overlap(cluster, how):
     reference = cluster.run(workers.compiled_training, "eager", {}, timeout=240)
@@ -33,6 +34,7 @@ def test_compiled_module_trains_exactly_without_graph_breaks_and_keeps_overlap(c
         assert r["spread"] > 0.35, r["spread"]  # one fused backward would make every bucket ready at once
 
 
+@pytest.mark.slow
 def test_without_the_split_every_bucket_is_ready_at_once(cluster):
     """The control for the cut above: with dynamo's DDP optimisation off, the compiled backward is one
     function, so every bucket becomes ready at its end (its timing spread is left out: a loaded
@@ -42,6 +44,7 @@ def test_without_the_split_every_bucket_is_ready_at_once(cluster):
     assert all(r["compiled_backwards"] == 1 for r in results), [r["compiled_backwards"] for r in results]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server", ["step-waits", "lazy-pull"])
 def test_server_optimizer_under_compile(cluster, server):
     results = cluster.run(workers.compiled_training, "inner", LAYERWISE, server, timeout=240)

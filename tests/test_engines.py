@@ -19,6 +19,7 @@ def assert_identical(results: list[dict]) -> None:
             assert torch.equal(r["native"][name], value), f"rank {rank}: {name} differs between the cores"
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=model_specs(), size=st.integers(1, 4), accumulate=st.sampled_from([1, 2]),
        chunk_elems=st.sampled_from([3, 64, 1 << 19]))
@@ -27,6 +28,7 @@ def test_cores_agree_bit_for_bit_on_the_ps_path(cluster, spec, size, accumulate,
     assert_identical(cluster.run(workers.train_engines, spec, 3, size, accumulate, options))
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=fc_specs(), size=st.integers(1, 4), force=st.sampled_from(["SFB", "PS"]))
 def test_cores_agree_bit_for_bit_with_sfb_layers(cluster, spec, size, force):

@@ -22,12 +22,14 @@ def torchrun(script: str, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server", [[], ["--server"]], ids=["default-mode", "server-mode"])
 def test_lightning_example(server):
     pytest.importorskip("lightning")
     assert "loss:" in torchrun("lightning_train.py", "--steps", "4", *server)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server", [[], ["--server"]], ids=["default-mode", "server-mode"])
 def test_hf_example(server):
     pytest.importorskip("transformers")
@@ -48,6 +50,7 @@ TRAIN_MODES = {
 SUMMARY = re.compile(r"^\[(\w+)\] loss ([0-9.]+) -> ([0-9.]+) ", re.MULTILINE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", TRAIN_MODES)
 def test_train_example_trains_in_every_mode(mode):
     out = torchrun("train.py", "--warmup", "2", *TRAIN_MODES[mode])

@@ -15,6 +15,7 @@ def test_mismatched_models_raise_on_every_rank(cluster):
         assert "body.0.weight" in message and "(8, 6)" in message and "(9, 6)" in message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [pytest.param({"POSEIDON_ENGINE": "python"}, id="python-core"),
                                  pytest.param({}, id="default-core")])
 @pytest.mark.parametrize("path", ["PS", "SFB"])
@@ -28,6 +29,7 @@ def test_exception_in_sync_job_reaches_training_thread(fresh_cluster, path, env)
     assert "cannot continue after a failed sync" in failed["next_forward"]
 
 
+@pytest.mark.slow
 def test_dead_peer_ends_the_step_within_timeout(fresh_cluster):
     outcomes = fresh_cluster.run_outcomes(workers.peer_exits_mid_step, timeout=60)
     assert 1 not in outcomes and fresh_cluster.exit_code(1) == 3

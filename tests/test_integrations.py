@@ -35,6 +35,7 @@ def assert_same(ours: dict, theirs: dict, exact: bool) -> None:
             torch.testing.assert_close(ours[name], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server", [False, True], ids=["default-mode", "server-mode"])
 def test_lightning_strategy_matches_lightning_ddp(cluster, tmp_path, server):
     kwargs = dict(clip=0.5, accumulate=2, root=str(tmp_path))
@@ -51,6 +52,7 @@ def test_lightning_refuses_clipping_it_cannot_apply(cluster, tmp_path):
         assert "gradient_clip_val=1.0" in message and "max_grad_norm" in message, message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server, clip", [(False, 1.0), (True, 1.0), (True, 0.0)],
                          ids=["default-mode", "server-mode", "server-mode-no-clipping"])
 def test_hf_trainer_matches_hf_ddp(cluster, tmp_path, server, clip):
@@ -65,6 +67,7 @@ def test_hf_trainer_matches_hf_ddp(cluster, tmp_path, server, clip):
         torch.testing.assert_close(torch.tensor(mine["norms"]), torch.tensor(ref["norms"]), rtol=RTOL, atol=0)
 
 
+@pytest.mark.slow
 def test_hf_trainer_checkpoint_with_server_optimizer_resumes_exactly(cluster, tmp_path):
     """The Trainer's own checkpoint (optimizer.pt gathered from the shards on the main process) and its
     resume give the parameters of an uninterrupted run."""

@@ -30,6 +30,7 @@ def assert_parity(results: list[dict], spec: ModelSpec, size: int, world_size: i
             assert torch.equal(ours[name], rank0[name]), f"rank {rank} diverged from rank 0 on {name}"
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=model_specs(), size=st.integers(1, 5), chunk_elems=st.sampled_from([3, 64, 1 << 19]))
 def test_generated_models_match_single_process_and_ddp(cluster, spec, size, chunk_elems):

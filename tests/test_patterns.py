@@ -46,6 +46,7 @@ def test_caught_exception_in_backward_does_not_leak_into_next_steps(cluster, for
     assert_exact(cluster.run(patterns.caught_exception_in_backward, force, timeout=60, env=env))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server", [False, True], ids=["default-mode", "server-mode"])
 @pytest.mark.parametrize("env", CORES)
 @pytest.mark.parametrize("force", ["PS", "SFB"])
@@ -103,6 +104,7 @@ SFB_PATTERNS = {  # how each FC layer syncs, step by step: SFB where exact, PS w
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", sorted(SFB_PATTERNS))
 def test_sfb_layers_stay_exact_in_real_training_patterns(cluster, pattern):
     results = cluster.run(patterns.sfb_pattern, pattern, timeout=60)
@@ -180,6 +182,7 @@ def test_amp_autocast_bf16(cluster, force):
         assert_paths(results, {"fc1": SFB_ON, "head": SFB_ON})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server", [False, True], ids=["default-mode", "server-mode"])
 @pytest.mark.parametrize("env", CORES)
 @pytest.mark.parametrize("case", ["bfloat16", "float16", "float16-near-overflow"])
@@ -261,6 +264,7 @@ def test_close_releases_hooks(cluster, through_wrapper):
     assert len({r["weight_sum"] for r in results}) == cluster.world_size  # nobody took rank 0's weights
 
 
+@pytest.mark.slow
 def test_torch_ddp_arguments_are_taken(cluster):
     """Code that builds torch DDP (positionally or by keyword) builds PoseidonDDP by changing the class."""
     results = cluster.run(patterns.ddp_arguments, True, timeout=90)

@@ -39,6 +39,7 @@ MATRIX = [(k, opt, force, engine) for k in (1, 2) for opt in ("sgd", "adamw") fo
           for engine in ("native", "python")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [ModelSpec(widths=(8, 5)), ModelSpec(widths=(6,), seq=3, tied=True)],
                          ids=["mlp", "seq-tied"])
 def test_matches_k_delayed_sgd_every_path_core_and_optimizer(cluster, spec):
@@ -54,6 +55,7 @@ def test_matches_k_delayed_sgd_every_path_core_and_optimizer(cluster, spec):
             assert set(results[0][i]["paths"][-1].values()) == {force}, what
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=st.one_of(model_specs(), fc_specs()), k=st.sampled_from([1, 2]), opt=st.sampled_from(["sgd", "adamw"]),
        force=st.sampled_from([None, "PS", "SFB"]), size=st.integers(1, 4))
@@ -94,6 +96,7 @@ def test_delay_zero_is_bit_identical_to_bsp(cluster, runs):
             assert torch.equal(value, zero["state"][name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server", [False, True], ids=["default", "server"])
 def test_backward_returns_while_its_sync_still_runs(cluster, server):
     """Every sync job sleeps 0.4 s. Under BSP ``backward(); step()`` waits for them; with delay=1 both
@@ -160,6 +163,7 @@ threading.Thread(target=train).start()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 def test_the_sync_threads_start_from_a_training_thread_that_outlives_the_main_thread():
     """A training thread still running after the main thread returned starts the sync's threads at the
@@ -198,6 +202,7 @@ kept["alive"](torch.randn(4, 8)).sum().backward()
 """
 
 
+@pytest.mark.slow
 def test_the_engine_of_a_wrapper_freed_unclosed_is_closed_before_the_interpreters_teardown(tmp_path):
     """A training function returns without ``close()``: the wrapper is freed, its engine is not (its
     hooks and threads hold it) and the last step's sync and buffer broadcast are still in flight. Left
@@ -259,6 +264,7 @@ def test_a_gradient_late_on_every_rank_is_averaged_whole_one_step_late(cluster):
                                        msg=lambda m: f"rank {rank} {name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0, 1])
 def test_a_late_rank_holds_the_others_back_only_under_bsp(cluster, delay):
     """The last rank starts step 2 a second late. Under BSP the others wait for it within that step (the
@@ -338,6 +344,7 @@ def assert_server_delayed(results: list[dict], reference: dict, what: str) -> No
                                        msg=lambda m: f"{what}: rank {rank} newest {name}: {m}")
 
 
+@pytest.mark.slow
 def test_server_delay_follows_the_pipe_sgd_recurrence(cluster):
     """k = 1, 2 x SGD momentum, AdamW x hybrid, PS, SFB (forced) x both cores."""
     spec = ModelSpec(widths=(8, 5))
@@ -353,6 +360,7 @@ def test_server_delay_follows_the_pipe_sgd_recurrence(cluster):
             assert set(results[0][i]["paths"][-1].values()) == {force}, what
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=st.one_of(model_specs(), fc_specs()), k=st.sampled_from([1, 2]), opt=st.sampled_from(["sgd", "adamw"]),
        force=st.sampled_from([None, "PS", "SFB"]))
@@ -422,6 +430,7 @@ def test_server_resume_in_either_order_and_bad_states_change_nothing(cluster, or
             assert torch.equal(result["resumed"][name], value), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server", [False, True], ids=["default-mode", "server-mode"])
 def test_a_dead_peer_ends_training_within_the_timeout_and_close_returns(fresh_cluster, server):
     outcomes = fresh_cluster.run_outcomes(dw.peer_exits_under_delay, server, timeout=90)

@@ -64,6 +64,7 @@ def adaptive_safe(spec: ModelSpec, optimizer: str) -> bool:
     return optimizer == "nesterov" or not (spec.batchnorm and spec.bias)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=model_specs(), optimizer=st.sampled_from(["nesterov", "adam", "adamw-decay"]), groups=st.sampled_from(["one", "two"]),
        schedule=st.booleans(), chunk_bytes=st.sampled_from([64, 4096, 2 << 20]))
@@ -89,6 +90,7 @@ def test_adamw_where_the_ranks_gradients_cancel(cluster):
     assert_same_parameters(results, slack=slack)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=fc_specs(), optimizer=st.sampled_from(["nesterov", "adamw-decay"]), lazy=st.booleans())
 def test_hybrid_models_match_ddp(cluster, spec, optimizer, lazy):
@@ -99,6 +101,7 @@ def test_hybrid_models_match_ddp(cluster, spec, optimizer, lazy):
     assert "SFB" in results[0]["server"]["paths"][-1].values()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lazy", [False, True], ids=["step-waits", "lazy-pull"])
 @pytest.mark.parametrize("env", CORES)
 def test_matches_ddp_and_zero_with_groups_and_scheduler(cluster, env, lazy):
@@ -110,6 +113,7 @@ def test_matches_ddp_and_zero_with_groups_and_scheduler(cluster, env, lazy):
     assert_same_parameters(results, ("ddp", "zero"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-none", "grads-zeroed"])
 @pytest.mark.parametrize("lazy", [False, True], ids=["step-waits", "lazy-pull"])
 def test_gradient_accumulation_and_unused_layers(cluster, lazy, set_to_none):
@@ -131,6 +135,7 @@ def test_forward_waits_for_its_layers_new_values(cluster):
             torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("force", ["PS", "SFB"])
 @pytest.mark.parametrize("lazy", [False, True], ids=["step-waits", "lazy-pull"])
 @pytest.mark.parametrize("edit", sorted(server_workers.GRAD_EDITS))
@@ -167,6 +172,7 @@ def test_layerwise_optimizer_sees_whole_parameters(cluster):
     assert_same_parameters(results)
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
     from cluster import Cluster
 
@@ -312,6 +318,7 @@ def test_pull_priority_is_off_by_default(cluster):
             torch.testing.assert_close(result["server"][name], value, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("lazy", [False, True], ids=["step-waits", "lazy-pull"])
 def test_a_checkpoint_right_after_a_caught_exception_has_no_trace_of_it(cluster, lazy, clip):
@@ -370,6 +377,7 @@ def test_lazy_pull_refuses_a_root_that_reads_a_childs_parameter(cluster):
         assert "'offset.bias' was read in a forward before its new value had arrived" in message, message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 def test_the_trace_shows_where_the_training_thread_waits_for_new_values(cluster, tmp_path, lazy):
     """Pulls slowed by 50 ms: eager pulls are waited for as the step's jobs; lazy ones at each layer's

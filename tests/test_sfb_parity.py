@@ -24,6 +24,7 @@ def assert_path_ran(results: list[dict], layers, path: str) -> None:
             assert all(outcomes[n] == expected for n in layers), (rank, step, outcomes)
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=fc_specs(), size=st.integers(1, 4), force=st.sampled_from(["SFB", "PS"]))
 def test_forced_paths_match_single_process_and_ddp(cluster, spec, size, force):
@@ -32,6 +33,7 @@ def test_forced_paths_match_single_process_and_ddp(cluster, spec, size, force):
     assert_path_ran(results, training.fc_overrides(training.build(spec, 0), force), force)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(width=st.integers(64, 160), size=st.integers(1, 3), seed=st.integers(0, 1000))
 def test_cost_model_picks_sfb_for_wide_layers_and_stays_exact(cluster, width, size, seed):

@@ -145,6 +145,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_json_rows_and_plot(tmp_path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(two_layers().to_dict()))
@@ -160,6 +161,7 @@ def test_cli_json_rows_and_plot(tmp_path):
     assert plot.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_cli_prints_the_papers_figures_beside_vgg19_22k():
     done = run_cli("vgg19-22k", "--hosts", "2,32", "--bandwidth", "40gbit", "--json")
     assert done.returncode == 0, done.stderr
@@ -208,6 +210,7 @@ def test_a_bad_profile_is_refused_with_the_field_named(change, message):
         Profile.from_dict({key: value for key, value in good.items() if key != "forward_s"})
 
 
+@pytest.mark.slow
 def test_profile_out_is_the_traced_profile_before_the_options(tmp_path):
     out = tmp_path / "profile.json"
     done = run_cli("vgg19-22k", "--hosts", "2", "--bandwidth", "10gbit", "--compute-scale", "2", "--profile-out",

@@ -46,6 +46,7 @@ schedules = st.lists(st.lists(st.sampled_from([0.0, 0.0, 0.03, 0.12]), min_size=
                      min_size=3, max_size=3)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(staleness=st.sampled_from([1, 2, 3]), sleeps=schedules)
 def test_ssp_bound_holds_with_random_stragglers(cluster, staleness, sleeps):
@@ -100,6 +101,7 @@ def test_downpour_pushes_summed_gradients_and_fetches_every_few_passes(cluster):
     assert pushing == {2, 5}, [result["sent"] for result in results]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("downpour", [(1, 1), (8, 8)], ids=["every-step", "push-fetch-every-8"])
 @pytest.mark.parametrize("early", ["first", "last"])
 def test_finish_waits_for_a_rank_that_trains_on_without_pushing_to_it(cluster, downpour, early):
@@ -150,6 +152,7 @@ def test_caught_exception_in_backward_skips_that_push_only(cluster, clock):
         assert torch.equal(torch.tensor(result["final"]).view_as(ledger), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staleness, downpour", [(0, {}), (1, {}), (3, {}), (None, {}),
                                                  (None, {"push_every": 2, "fetch_every": 3})],
                          ids=["bsp", "ssp1", "ssp3", "async", "async-push2-fetch3"])
@@ -160,6 +163,7 @@ def test_least_squares_converges(cluster, staleness, downpour):
         assert torch.equal(result["weight"], results[0]["weight"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "raise"])
 @pytest.mark.parametrize("staleness, downpour", [(1, {}), (None, {}), (None, {"push_every": 5, "fetch_every": 5})],
                          ids=["ssp1", "async", "async-push5-fetch5"])
@@ -176,6 +180,7 @@ def test_dead_or_failed_peer_ends_with_a_clear_error(fresh_cluster, how, stalene
         assert outcomes[1].value == {"raised": "the user's training loop failed"}
 
 
+@pytest.mark.slow
 def test_a_dead_peer_is_named_when_the_survivor_owns_every_chunk(fresh_cluster):
     """With the default chunks the survivor owns the model's one chunk, so no answer fails: its server
     thread loses the connection, or the wait for the dead rank's push times out (as the barrier's or the

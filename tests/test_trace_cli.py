@@ -306,6 +306,7 @@ def test_load_spans_missing_file_names_it(tmp_path):
         load_spans(tmp_path / "nope.json")
 
 
+@pytest.mark.slow
 def test_module_entry_point_reports_errors_without_traceback(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("not json")
