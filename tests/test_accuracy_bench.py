@@ -73,12 +73,14 @@ def test_bsp_modes_follow_torch_ddp_against_steps(digits_run: tuple, mode: str) 
     np.testing.assert_allclose(run["train_loss_rank0"], ddp["train_loss_rank0"], rtol=BSP_TOLERANCE)
 
 
+@pytest.mark.slow
 def test_a_run_that_never_syncs_fails_the_parity_check(digits_run: tuple) -> None:
     _, report, _ = digits_run
     ddp, alone = _ok(report, "torch-ddp"), _ok(report, "compute-only")
     assert divergence_from(ddp["evals"], alone["evals"], "val_loss") > 10 * BSP_TOLERANCE
 
 
+@pytest.mark.slow
 def test_transient_pauses_follow_their_seeded_draw(digits_run: tuple) -> None:
     _, report, _ = digits_run
     spec = parse_straggler("transient:p=0.3,delay=5ms,seed=3", 2)
@@ -88,6 +90,7 @@ def test_transient_pauses_follow_their_seeded_draw(digits_run: tuple) -> None:
         assert _ok(report, mode)["pause_s_by_rank"] == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_the_smoke_run_writes_table_figure_and_progress(digits_run: tuple) -> None:
     done, report, out = digits_run
     assert done.returncode == 0, done.stderr
@@ -99,6 +102,7 @@ def test_the_smoke_run_writes_table_figure_and_progress(digits_run: tuple) -> No
     assert report["config"]["straggler_spec"]["kind"] == "transient"
 
 
+@pytest.mark.slow
 def test_powersgd_follows_ddp_until_it_compresses_then_sends_fewer_bytes(digits_run: tuple) -> None:
     """torch's PowerSGD hook, started at step 2: its first two steps all-reduce plainly, so the losses of
     steps 1-3 are DDP's bit for bit; from step 3 on it sends rank-4 factors: different losses, and (bytes
@@ -113,6 +117,7 @@ def test_powersgd_follows_ddp_until_it_compresses_then_sends_fewer_bytes(digits_
     assert report["config"]["baselines"]["torch-ddp-powersgd"]["start_powerSGD_iter"] == 2
 
 
+@pytest.mark.slow
 def test_local_sgd_ranks_differ_between_averages_and_agree_after_the_final_one(digits_run: tuple) -> None:
     """Period 4, no warm-up: steps 1, 5 and 9 average the parameters; after step 12 the ranks hold
     different ones, the final average gives every rank the same bits (BSP's ranks agree throughout), and it
@@ -127,6 +132,7 @@ def test_local_sgd_ranks_differ_between_averages_and_agree_after_the_final_one(d
     assert [p["step"] for p in local["evals"]] == [0, 3, 6, 9, 12]
 
 
+@pytest.mark.slow
 def test_one_host_trains_alone_on_its_shard(digits_run: tuple) -> None:
     """One process, no peer, nothing sent; it reads host 0's shard of the two: its losses are those of
     compute-only's rank 0 (the same shard, alone) bit for bit, and so are its final parameters."""

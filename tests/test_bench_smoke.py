@@ -52,6 +52,7 @@ def test_mode_has_positive_times(bench_run: tuple, mode: str) -> None:
     _check_mode(report["workloads"]["fc_heavy"]["modes"][mode])
 
 
+@pytest.mark.slow
 def test_report_shape(bench_run: tuple) -> None:
     done, report, out = bench_run
     entry = report["workloads"]["fc_heavy"]
@@ -67,6 +68,7 @@ def test_report_shape(bench_run: tuple) -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_the_baselines_send_what_their_algorithms_send(bench_run: tuple) -> None:
     """Bytes each rank's process wrote over the timed loop (its socket writes): DDP's match the ring
     all-reduce of the gradients; PowerSGD's rank-4 factors are a small part of them; local SGD averages
@@ -84,6 +86,7 @@ def test_the_baselines_send_what_their_algorithms_send(bench_run: tuple) -> None
     assert one_host["samples_per_s"] == pytest.approx(one_host["batch_per_rank"] / one_host["iter_s"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_no_mode_runs_faster_than_its_cpu_floor(bench_run: tuple, mode: str) -> None:
     """The CPU floor is all ranks' CPU seconds spread over the cores they share: a physical bound, so a
