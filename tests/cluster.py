@@ -2,7 +2,8 @@
 
 ``Cluster.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns the per-rank
 results. Every wait has a deadline: a rank that raises, dies or overruns fails the call with the rank's
-traceback or exit code, never a hang.
+traceback or exit code, never a hang. Every call is numbered: a result that a rank sends after its call
+timed out is dropped, never taken for a later call's.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class RankOutcome:
     rank: int
     ok: bool
     value: object  # the result, or the formatted traceback
+    call: int  # the number of the call it answers
 
 
 class ClusterError(RuntimeError):
@@ -52,16 +54,16 @@ def _serve(rank: int, world_size: int, port: int, jobs, results) -> None:
     except RuntimeError:  # every job answers with it, so the test says why instead of timing out
         unplaced = traceback.format_exc()
     while (job := jobs.get()) is not None:
+        fn, args, env, call = job
         if unplaced is not None:
-            results.put(RankOutcome(rank, False, unplaced))
+            results.put(RankOutcome(rank, False, unplaced, call))
             continue
-        fn, args, env = job
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:
-            results.put(RankOutcome(rank, True, placement.to_host(fn(rank, world_size, *args))))
+            results.put(RankOutcome(rank, True, placement.to_host(fn(rank, world_size, *args)), call))
         except BaseException:
-            results.put(RankOutcome(rank, False, traceback.format_exc()))
+            results.put(RankOutcome(rank, False, traceback.format_exc(), call))
         finally:
             for key, value in saved.items():
                 if value is None:
@@ -74,6 +76,7 @@ class Cluster:
     def __init__(self, world_size: int) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
+        self._calls = 0
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         port = free_port()
@@ -86,14 +89,16 @@ class Cluster:
                      ) -> dict[int, RankOutcome]:
         """Run ``fn`` on every rank (with ``env`` set in its environment for the call); outcomes of the
         ranks that answered before the deadline or death."""
+        self._calls += 1
         for q in self._jobs:
-            q.put((fn, args, dict(env or {})))
+            q.put((fn, args, dict(env or {}), self._calls))
         outcomes: dict[int, RankOutcome] = {}
         deadline = time.monotonic() + timeout
         while len(outcomes) < self.world_size and time.monotonic() < deadline:
             try:
                 outcome = self._results.get(timeout=0.2)
-                outcomes[outcome.rank] = outcome
+                if outcome.call == self._calls:  # an earlier call's late answer is dropped
+                    outcomes[outcome.rank] = outcome
             except queue.Empty:
                 if self._all_silent_ranks_dead(outcomes):
                     break
