@@ -798,7 +798,8 @@ def _train_with_link(rank: int, world_size: int, spec: ModelSpec, link, plan, st
     given back (or None); the final parameters and the plan the run ended with."""
     model = build(spec, seed=0)
     wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, link=link, plan=plan)
-    opt = torch.optim.SGD(wrapped.parameters(), **OPTIMIZER)
+    cls, kwargs = OPTIMIZERS["sgd"]
+    opt = cls(wrapped.parameters(), **kwargs)
     for step in range(steps):
         x, y = batch(spec, step, size, world_size)
         opt.zero_grad()
