@@ -155,6 +155,7 @@ def test_pytorch_lightning_takes_the_strategy_by_name(cluster, tmp_path):
         assert_same(mine["params"], ref["params"], exact=False)  # SFB may be chosen: rounding-level
 
 
+@pytest.mark.slow
 def test_hf_trainer_honours_bf16_and_the_ddp_arguments(cluster, tmp_path):
     """Item 1: bf16=True trains under bf16 autocast as the Trainer's DDP does (bf16 rounding apart, and
     clearly apart from fp32), and ddp_broadcast_buffers, ddp_bucket_cap_mb, ddp_timeout reach PoseidonDDP."""
@@ -172,6 +173,7 @@ def test_hf_trainer_honours_bf16_and_the_ddp_arguments(cluster, tmp_path):
         assert (options.broadcast_buffers, options.fusion_bytes, options.timeout) == (False, 1 << 20, 123.0)
 
 
+@pytest.mark.slow
 def test_hf_trainer_compiles_as_the_trainers_ddp_does(cluster, tmp_path):
     """Item 1: torch_compile=True compiles the model under PoseidonDDP into as many graphs as under the
     Trainer's DDP (dynamo splits both at the bucket cap), and trains to the same parameters. A small
@@ -184,6 +186,7 @@ def test_hf_trainer_compiles_as_the_trainers_ddp_does(cluster, tmp_path):
         assert_same(mine["params"], ref["params"], exact=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server, poseidon", [(False, {"timeout": 60, "delay": 1}), ({"delay": 1}, {"timeout": 60})],
                          ids=["PoseidonDDP-delay", "ServerOptimizer-delay"])
 def test_hf_trainer_pipe_sgd_resumes_exactly(cluster, tmp_path, server, poseidon):
