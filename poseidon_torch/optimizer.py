@@ -218,8 +218,8 @@ class ServerOptimizer(torch.optim.Optimizer):
         return self.model.engine.mode
 
     def _started_mode(self) -> ServerMode | None:
-        """The wrapper's mode if its engine has started (None: no step has run, no state exists)."""
-        self._refuse_closed()
+        """The wrapper's mode if its engine has started and is not closed (None: no step has run, no state
+        exists, or the shards are gone)."""
         engine = self.model._engine
         return engine.mode if engine is not None else None
 
@@ -323,7 +323,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         """torch's optimizer format: after :meth:`consolidate_state_dict` on every rank, on rank ``to``.
         While no step has made any state (as when accelerate copies the state at set-up, on every rank)
         it is the empty state, anywhere, with no collective."""
-        mode = None if self.model._closed else self._started_mode()  # closed: a state gathered before stays
+        mode = self._started_mode()  # None once closed: a state gathered before stays
         if mode is not None and mode.server.passes != self._consolidated_at:  # a step's updates began since
             self._forget_consolidated()
         if self._consolidated is not None:
