@@ -92,7 +92,7 @@ class ServerOptimizer(torch.optim.Optimizer):
     every parameter holds its new value (with ``lazy_pull=True`` it returns at once, and each layer's
     new values land just before its next forward). ``zero_grad()`` is harmless: the server spends the
     gradients. With ``delay=k`` (Pipe-SGD) the new values land k steps later: the forward of step t
-    reads the values of step t-1-k while the owners step from the newest (``consistency.py``), and
+    reads the values of step t-1-k while the owners step from the newest (``modes/server.py``, ``PipeServer``), and
     ``step()`` returns at once. With ``staleness=s`` (stale synchronous parallel) or ``staleness=None``
     (asynchronous, Downpour) each rank runs on its own clock: the owners apply every push when it
     arrives (gradient / P) and a forward reads values that lack at most s clocks of any rank
