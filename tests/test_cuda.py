@@ -51,8 +51,9 @@ def test_averages_uploaded_late_are_the_ones_written_back(cluster):
 
 
 def test_averages_uploaded_late_break_parity_when_the_upload_is_not_ordered(cluster):
-    """The negative control of the test above: the late upload on a stream nothing waits for, so the
-    end of backward copies the device copy before the averages reach it, and parity must fail."""
+    """The negative control of the test above: the late upload on a stream of its own, and the event
+    the readers wait on recorded where it covers nothing of the copy, so the end of backward copies the
+    device copy before the averages reach it, and parity must fail."""
     spec = ModelSpec(conv_channels=(4,), widths=(16, 8), image=5)
     results = cluster.run(workers.train_pair_group, spec, 3, 2, "gloo", "PS", False, False, "cuda", False,
                           "unordered")

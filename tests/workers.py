@@ -308,8 +308,10 @@ def train_pair_group(rank: int, world_size: int, spec: ModelSpec, steps: int, si
 @contextlib.contextmanager
 def _late_uploads(how: str):
     """Within the block, every :meth:`Bucket.upload` of a staged CUDA bucket first keeps the GPU busy
-    ~10 ms, on the job's stream ("ordered") or on a fresh stream ("unordered"); "" changes nothing.
-    Yields a one-element list: the uploads so far."""
+    ~10 ms on the job's stream ("ordered"), or runs late on a fresh stream and then records the bucket's
+    upload event again on the job's stream, which never waited for that copy ("unordered": the event the
+    readers wait on covers nothing of the upload); "" changes nothing. Yields a one-element list: the
+    uploads so far."""
     from poseidon_torch.bucket import Bucket
 
     uploads, original = [0], Bucket.upload
@@ -318,10 +320,12 @@ def _late_uploads(how: str):
         if bucket.device_averages is None:
             return
         uploads[0] += 1
-        stream = torch.cuda.Stream() if how == "unordered" else torch.cuda.current_stream()
-        with torch.cuda.stream(stream):
+        job_stream = torch.cuda.current_stream(bucket.device)
+        with torch.cuda.stream(torch.cuda.Stream() if how == "unordered" else job_stream):
             torch.cuda._sleep(_BusyBackward.CYCLES)
             original(bucket)
+        if how == "unordered":
+            bucket.uploaded_event.record(job_stream)
 
     if how:
         Bucket.upload = late
