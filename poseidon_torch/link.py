@@ -1,4 +1,5 @@
-"""The coordinator's view of the hardware: an alpha-beta model of the link, and the GEMM rate.
+"""The coordinator's view of the hardware: an alpha-beta model of the link, the GEMM rate, and the
+memory bandwidth (what a compressing path's passes over a gradient cost).
 
 The link is probed with all-reduces of several sizes, each repeated; the fit takes the median per size
 and a Theil-Sen line through them (the median of pairwise slopes), which a few slow repeats on a
@@ -6,8 +7,8 @@ loaded machine cannot drag. A fit outside a sanity range (bandwidth or latency n
 rejected: the model then falls back to a stated default, and a warning says so and how to give the
 real figures (``link=``, ``POSEIDON_BANDWIDTH_GBPS``, ``POSEIDON_LATENCY_US``).
 
-Invariants: every rank gets the same numbers (each size's time is the slowest rank's; the GEMM rate is
-the slowest rank's), so every rank plans identically; probes are cached per set of ranks, backend and
+Invariants: every rank gets the same numbers (each size's time is the slowest rank's; the GEMM rate and
+the memory bandwidth are the slowest rank's), so every rank plans identically; probes are cached per set of ranks, backend and
 device.
 """
 from __future__ import annotations
@@ -217,3 +218,28 @@ def _measure_gemm_flops(device: torch.device) -> float:
         a @ b  # warm-up
         rates += [2.0 * size**3 / timed(lambda: a @ b, device) for _ in range(3)]
     return statistics.median(rates)
+
+
+_MEMORY_CACHE: dict[tuple, float] = {}
+#: elements of each operand of the memory probe (fp32: 8 MiB, beyond a CPU's last-level cache per core)
+_MEMORY_PROBE_ELEMENTS = 2 * 1024 * 1024
+
+
+def probe_memory_bandwidth(device: str | torch.device = "cpu", collectives: Collectives | None = None,
+                           key: Hashable = None) -> float:
+    """Measured bytes per second of a streaming add (two operands read, one written) on ``device``: the
+    slowest rank's when ``collectives`` is given; cached per (device, ``key``)."""
+    device = torch.device(device)
+    if (str(device), key) not in _MEMORY_CACHE:
+        (_MEMORY_CACHE[str(device), key],) = agree([_measure_memory_bandwidth(device)], dist.ReduceOp.MIN,
+                                                   collectives, device)
+    return _MEMORY_CACHE[str(device), key]
+
+
+def _measure_memory_bandwidth(device: torch.device) -> float:
+    """Operands filled without torch's random generator (see :func:`_measure_gemm_flops`)."""
+    a = torch.linspace(-1.0, 1.0, _MEMORY_PROBE_ELEMENTS, device=device)
+    b, out = a.flip(0), torch.empty_like(a)
+    torch.add(a, b, out=out)  # warm-up
+    moved = 3 * a.numel() * a.element_size()
+    return statistics.median(moved / timed(lambda: torch.add(a, b, out=out), device) for _ in range(7))

@@ -27,7 +27,8 @@ class AllReducePath(Path):
 
     name = "AR"
 
-    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None) -> Prediction:
+    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
+                memory_bps: float | None = None) -> Prediction:
         sent = ring_bytes_per_rank(cost.nbytes, world_size)
         return Prediction(sent, link.seconds(sent, 2 * (world_size - 1)))
 

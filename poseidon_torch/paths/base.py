@@ -3,13 +3,15 @@ hooks, one module per hook with its state explicit, ``../shared/notes/policies.m
 
 A :class:`Path` says what it is (class attributes), what it would cost, and does the moving:
 - ``name`` (what overrides, plans, stats and traces call it), ``exact`` (every rank ends with the
-  average of the ranks' gradients, to fp32 rounding), ``native`` (the native core runs its jobs itself
+  average of the ranks' gradients, to fp32 rounding; a path that is not, a *lossy* one, is only ever
+  used where the user asked for it: ``PoseidonDDP(compression=...)``, whose value names it by its
+  ``option``, or an override), ``native`` (the native core runs its jobs itself
   from the schedules ``prepare`` made), ``factors`` (it syncs a lone FC layer from its sufficient factors,
   so that layer's calls are detached while it is on this path), ``by_cost`` (the coordinator puts a
   layer on it where its prediction beats the default path's), ``reduces_at_owners`` (:meth:`Path.reduce`
   leaves each chunk's average at the chunk's owner only);
-- :meth:`Path.predict`: bytes per rank and seconds of one sync of a bucket on a link (None: it cannot
-  take that bucket);
+- :meth:`Path.predict`: bytes per rank and seconds of one sync of a bucket on a link, with the
+  machine's GEMM rate and memory bandwidth for its compute (None: it cannot take that bucket);
 - :meth:`Path.prepare`: the buckets were rebuilt; what the path keeps per bucket carries over;
 - :meth:`Path.stage`: what its job will read of ``.grad``, copied into the bucket's flat buffer on the
   thread that submits the bucket (no job ever reads ``.grad``);
@@ -27,8 +29,8 @@ every rank runs the same phases and the same collectives for a bucket in a pass.
 """
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -62,12 +64,15 @@ class FCCost:
 
 @dataclass(frozen=True)
 class BucketCost:
-    """What a prediction reads of a bucket: its flat buffer's bytes, its parameters' bytes, and its FC
-    layer when it is one alone."""
+    """What a prediction reads of a bucket: its flat buffer's bytes, its parameters' bytes, its FC
+    layer when it is one alone, and its parameters' shapes and element size (what a compressing path
+    reads)."""
 
     nbytes: float
     param_bytes: float
     fc: FCCost | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
+    element_size: int = 4
 
 
 @dataclass(frozen=True)
@@ -83,14 +88,16 @@ class Prediction:
 @dataclass(frozen=True)
 class PathEnv:
     """What a path is built with: this rank, the group's size, the KV store's chunk size, the device its
-    messages travel from (host memory when a CUDA model is staged for gloo), and the default path (None
-    while the default itself is built)."""
+    messages travel from (host memory when a CUDA model is staged for gloo), the default path (None
+    while the default itself is built), and per path name the settings ``compression=`` gave it (checked:
+    ``paths.compression_option``)."""
 
     rank: int
     world_size: int
     chunk_bytes: int
     wire_device: torch.device
     default: Path | None = None
+    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 class GradWriter(Protocol):
@@ -145,6 +152,8 @@ class Path:
     factors: ClassVar[bool] = False
     by_cost: ClassVar[bool] = False
     reduces_at_owners: ClassVar[bool] = False
+    #: what ``PoseidonDDP(compression=...)`` calls a lossy path (None: an exact path, never named there)
+    option: ClassVar[str | None] = None
     #: phases of its own that a trace plot names (phase -> legend label)
     phase_labels: ClassVar[dict[str, str]] = {}
 
@@ -152,8 +161,11 @@ class Path:
         self.env = env
         self.rank, self.world_size = env.rank, env.world_size
 
-    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None) -> Prediction | None:
-        """One sync of a bucket like ``cost`` among ``world_size`` ranks on ``link`` (None: cannot take it)."""
+    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
+                memory_bps: float | None = None) -> Prediction | None:
+        """One sync of a bucket like ``cost`` among ``world_size`` ranks on ``link``, on a machine that
+        multiplies matrices at ``gemm_flops`` and streams memory at ``memory_bps`` bytes per second (either
+        None where not probed); None: it cannot take that bucket (or cannot cost it without a rate)."""
         raise NotImplementedError
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
@@ -214,12 +226,14 @@ class WrappedPath(Path):
 
     name = property(lambda self: self.inner.name)  # type: ignore[assignment]
     exact = property(lambda self: self.inner.exact)  # type: ignore[assignment]
+    option = property(lambda self: self.inner.option)  # type: ignore[assignment]
     factors = property(lambda self: self.inner.factors)  # type: ignore[assignment]
     by_cost = property(lambda self: self.inner.by_cost)  # type: ignore[assignment]
     reduces_at_owners = property(lambda self: self.inner.reduces_at_owners)  # type: ignore[assignment]
 
-    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None) -> Prediction | None:
-        return self.inner.predict(cost, world_size, link, gemm_flops)
+    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
+                memory_bps: float | None = None) -> Prediction | None:
+        return self.inner.predict(cost, world_size, link, gemm_flops, memory_bps)
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
         self.inner.prepare(buckets)

@@ -150,7 +150,8 @@ class PSPath(Path):
         self._schedules: dict[int, Schedule] = {}
         self._chunks: dict[int, list[Chunk]] = {}
 
-    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None) -> Prediction:
+    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
+                memory_bps: float | None = None) -> Prediction:
         return Prediction(*predict_ps(cost.nbytes, world_size, link))
 
     def predict_pull(self, nbytes: float, world_size: int, link: LinkModel) -> Prediction:
@@ -218,7 +219,7 @@ class PSPath(Path):
     def push(self, bucket: Bucket, groups: ChannelGroups) -> None:
         """Send every part of the bucket to its owner; receive the parts of the chunks this rank owns."""
         for messages in self._schedules[id(bucket)].push:
-            _run(messages, groups)
+            run_messages(messages, groups)
 
     def aggregate(self, bucket: Bucket) -> None:
         """Average the chunks this rank owns, in place."""
@@ -228,7 +229,7 @@ class PSPath(Path):
     def pull(self, bucket: Bucket, groups: ChannelGroups) -> None:
         """Send the chunks this rank owns to every peer; receive the others from their owners."""
         for messages in self._schedules[id(bucket)].pull:
-            _run(messages, groups)
+            run_messages(messages, groups)
 
     def owner_flags(self, bucket: Bucket) -> torch.Tensor | None:
         """With ``flags_to_owners``, after the push and before the aggregation: the sum over all ranks
@@ -242,45 +243,51 @@ class PSPath(Path):
         return total
 
     def _schedule(self, bucket: Bucket, chunks: Sequence[Chunk]) -> Schedule:
-        rank, size, flat = self.rank, self.world_size, bucket.flat
-        schedule = Schedule()
-        inbox: dict[tuple[Chunk, int], torch.Tensor] = {}
-        flags = flat[bucket.grad_numel:]
-        owners = {c.owner for c in chunks}
-        flag_tag = len(chunks)
-        for shift in range(1, size):
-            to, frm = (rank + shift) % size, (rank - shift) % size
-            push, pull = [], []
-            if self.flags_to_owners and to in owners:
-                push.append((True, flags, to, flag_tag))
-            if self.flags_to_owners and rank in owners:
-                push.append((False, inbox.setdefault((None, frm), torch.empty_like(flags)), frm, flag_tag))
-            for c in chunks:
-                piece = flat[c.start:c.stop]
-                if c.owner == to:  # push my part of the chunk ``to`` owns
-                    push.append((True, piece, to, c.tag))
-                if c.owner == rank:  # receive ``frm``'s part of my chunk; later send ``to`` the average
-                    push.append((False, inbox.setdefault((c, frm), torch.empty_like(piece)), frm, c.tag))
-                    pull.append((True, piece, to, c.tag))
-                if c.owner == frm:  # receive the average of the chunk ``frm`` owns
-                    pull.append((False, piece, frm, c.tag))
-            schedule.push.append(push)
-            schedule.pull.append(pull)
+        return build_schedule(bucket.flat, bucket.grad_numel, chunks, self.rank, self.world_size, self.flags_to_owners)
+
+
+def build_schedule(flat: torch.Tensor, grad_numel: int, chunks: Sequence[Chunk], rank: int, size: int,
+                   flags_to_owners: bool = False) -> Schedule:
+    """Every message and add of one sync of ``flat`` (gradients up to ``grad_numel``, then the flags)
+    cut into ``chunks``, for ``rank`` of ``size``: the views it sends, receives and sums, precomputed."""
+    schedule = Schedule()
+    inbox: dict[tuple[Chunk, int], torch.Tensor] = {}
+    flags = flat[grad_numel:]
+    owners = {c.owner for c in chunks}
+    flag_tag = len(chunks)
+    for shift in range(1, size):
+        to, frm = (rank + shift) % size, (rank - shift) % size
+        push, pull = [], []
+        if flags_to_owners and to in owners:
+            push.append((True, flags, to, flag_tag))
+        if flags_to_owners and rank in owners:
+            push.append((False, inbox.setdefault((None, frm), torch.empty_like(flags)), frm, flag_tag))
         for c in chunks:
-            if c.owner == rank:
-                own = flat[c.start:c.stop]
-                parts = [own if peer == rank else inbox[(c, peer)] for peer in range(size)]
-                schedule.aggregate.append((own, parts))
-        if self.flags_to_owners and rank in owners:
-            schedule.flags = [flags if peer == rank else inbox[(None, peer)] for peer in range(size)]
-        schedule.bytes_sent = sum(t.numel() * t.element_size() for round_ in schedule.push + schedule.pull
-                                  for is_send, t, _, _ in round_ if is_send)
-        schedule.pull_bytes = sum(t.numel() * t.element_size() for round_ in schedule.pull
-                                  for is_send, t, _, _ in round_ if is_send)
-        return schedule
+            piece = flat[c.start:c.stop]
+            if c.owner == to:  # push my part of the chunk ``to`` owns
+                push.append((True, piece, to, c.tag))
+            if c.owner == rank:  # receive ``frm``'s part of my chunk; later send ``to`` the average
+                push.append((False, inbox.setdefault((c, frm), torch.empty_like(piece)), frm, c.tag))
+                pull.append((True, piece, to, c.tag))
+            if c.owner == frm:  # receive the average of the chunk ``frm`` owns
+                pull.append((False, piece, frm, c.tag))
+        schedule.push.append(push)
+        schedule.pull.append(pull)
+    for c in chunks:
+        if c.owner == rank:
+            own = flat[c.start:c.stop]
+            parts = [own if peer == rank else inbox[(c, peer)] for peer in range(size)]
+            schedule.aggregate.append((own, parts))
+    if flags_to_owners and rank in owners:
+        schedule.flags = [flags if peer == rank else inbox[(None, peer)] for peer in range(size)]
+    schedule.bytes_sent = sum(t.numel() * t.element_size() for round_ in schedule.push + schedule.pull
+                              for is_send, t, _, _ in round_ if is_send)
+    schedule.pull_bytes = sum(t.numel() * t.element_size() for round_ in schedule.pull
+                              for is_send, t, _, _ in round_ if is_send)
+    return schedule
 
 
-def _run(messages: list[Message], groups: ChannelGroups) -> None:
+def run_messages(messages: list[Message], groups: ChannelGroups) -> None:
     """Issue one round's messages, each on the group of its direction, and wait for all (each wait is
     bounded by the groups' timeout, PoseidonDDP's ``timeout``)."""
     if not messages:

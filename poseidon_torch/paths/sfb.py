@@ -116,7 +116,8 @@ class SFBPath(Path):
         #: the outcome of a sync that fell back to the default path
         self.fallback = f"{self.name}->{self.default.name}"
 
-    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None) -> Prediction | None:
+    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
+                memory_bps: float | None = None) -> Prediction | None:
         fc = cost.fc
         if fc is None or gemm_flops is None:
             return None
