@@ -3,9 +3,11 @@
 At the end of every synced backward the ranks all-gather a small vector of *facts* (the pass's
 aborted flag, which buckets got a gradient late, and per FC layer its rows K this round and its sticky
 flags, see :mod:`~poseidon_torch.fc`). From them every rank computes the same plan for the next pass: a
-layer alone in its bucket leaves the default path when an override forces another one, or, for an FC
-layer no rank raised a sticky flag on, when a path chosen by cost (``Path.by_cost``) is predicted
-cheaper at the largest K. The first pass runs every layer on the default path: it is when the sticky
+layer alone in its bucket leaves the default path when an override forces another one, or when a path
+chosen by cost (``Path.by_cost``) is predicted cheaper: for an FC layer no rank raised a sticky flag on,
+a factor path at the largest K; with ``PoseidonDDP(compression=...)``, for any layer, the lossy paths it
+names (``lossy``), each from its ``start_iter``-th synced pass on. Without ``compression=`` no lossy path
+is ever chosen by cost. The first pass runs every layer on the default path: it is when the sticky
 facts are learned.
 
 Cost model: every registered path predicts its bytes per rank and seconds per pass on this
@@ -13,9 +15,12 @@ implementation's traffic (``Path.predict``: the formulas the stats, the simulato
 share). The choice charges the default path only its bytes while the buckets are not learned (on it a
 layer can share a bucket, and its messages, with its neighbours; on a path of its own it is a job of its
 own), and its whole cost once they are. With ``pull_values`` (a mode that updates at the owners) a path
-that does not reduce at the owners is charged the owners' pull of the new values too. Invariants: a
-factor path is only ever chosen for a layer that can take it exactly; the plan depends only on facts
-every rank shares.
+that does not reduce at the owners is charged the owners' pull of the new values too. A lossy path's
+prediction includes its compression and decompression compute (at the probed GEMM rate and memory
+bandwidth, ``memory_bps``). Invariants: a factor path is only ever chosen for a layer that can take it
+exactly; a path is chosen by cost only where its prediction is below the default path's (as charged)
+and every other candidate's; a lossy path only where ``compression=`` names it; the plan depends only on
+facts every rank shares.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .bucket import Bucket, find_layers
+from .bucket import Bucket, Layer, find_layers, flat_numel
 from .fc import STICKY_NAMES, FCLayer, fc_eligible
 from .link import LinkModel
 from .paths import BucketCost, FCCost, Path, Paths, Prediction
@@ -54,7 +59,8 @@ def checked_overrides(overrides: Mapping[str, str], layer_names: Sequence[str], 
                       world_size: int, paths: Mapping[str, Path] | None = None) -> dict[str, str]:
     """``overrides`` (layer -> path name), refused if one names no layer, no registered path, or a factor
     path for a layer that is not an FC layer of its own (``fc_names``: those that could take one, at any
-    world size). In a world of one (nothing to gather) a factor path's override means the default path."""
+    world size). In a world of one (nothing to gather or compress) a factor or lossy path's override means
+    the default path."""
     paths = paths if paths is not None else Paths.for_costing()
     default = next(iter(paths))
     for name, path in overrides.items():
@@ -68,7 +74,8 @@ def checked_overrides(overrides: Mapping[str, str], layer_names: Sequence[str], 
             raise ValueError(f"cannot force {path} on layer {name!r}: it is not an FC layer of its own "
                              "(see poseidon_torch.register_fc)")
     if world_size == 1:
-        return {name: default if paths[path].factors else path for name, path in overrides.items()}
+        return {name: default if paths[path].factors or not paths[path].exact else path
+                for name, path in overrides.items()}
     return dict(overrides)
 
 
@@ -76,12 +83,17 @@ class Coordinator:
     """Owns the plan: which layers leave the default path, and each bucket's path this pass."""
 
     def __init__(self, fc: Mapping[str, FCLayer], world_size: int, link: LinkModel, gemm_flops: float | None,
-                 overrides: Mapping[str, str] | None = None, paths: Mapping[str, Path] | None = None) -> None:
+                 overrides: Mapping[str, str] | None = None, paths: Mapping[str, Path] | None = None,
+                 layers: Sequence[Layer] = (), lossy: Collection[str] = (), memory_bps: float | None = None) -> None:
         self.fc = dict(sorted(fc.items()))
         self.world_size, self.link, self.gemm_flops = world_size, link, gemm_flops
+        self.memory_bps = memory_bps
         #: the paths it predicts with (its own copy: a path an engine's test wraps does not change the plan)
         self.paths = Paths(paths if paths is not None else Paths.for_costing())
         self.default = next(iter(self.paths))  #: the default path's name
+        #: the lossy paths ``compression=`` names (none in a world of one: nothing to send)
+        self.lossy = tuple(lossy) if world_size > 1 else ()
+        self.layers = {layer.name: layer for layer in layers}
         self.overrides = dict(overrides or {})
         self.k_max = {name: 0 for name in self.fc}
         #: per FC layer, its largest K in the last pass it was watched (alone in its bucket): what the
@@ -89,12 +101,18 @@ class Coordinator:
         self.k_known: dict[str, int] = {}
         self.sticky = {name: 0 for name in self.fc}
         self.chosen: dict[str, str] = {}  #: layers off the default path for the next pass, and their path
-        self.solo: set[str] = set()  #: FC layers that have a bucket of their own
+        #: layers whose lossy path won by cost but may not start yet (``start_iter``): kept alone in a bucket
+        self.waiting: dict[str, str] = {}
+        self.solo: set[str] = set()  #: layers that have a bucket of their own
         self.learned = False         #: the buckets are learned (fixed from now on)
         self.passes = 0              #: synced passes observed
         #: a mode that updates at the owners: a path that does not reduce there is charged their pull
         self.pull_values = False
         self._warned: set[str] = set()
+        #: the layers some named lossy path could take: each gets a bucket of its own before the first pass
+        self.compressible = [name for name, layer in self.layers.items()
+                             if any(self._predict(self.paths[path], layer.nbytes, _params(layer), None) is not None
+                                    for path in self.lossy)]
 
     def check_overrides(self, layer_names: Sequence[str], fc_names: Collection[str]) -> None:
         """Refuse bad overrides (:func:`checked_overrides`)."""
@@ -102,22 +120,24 @@ class Coordinator:
 
     def default_only(self) -> None:
         """Every layer on the default path from now on (ranks on their own clocks take no common step)."""
-        self.overrides = {name: self.default for name in (*self.fc, *self.overrides)}
-        self.chosen = {}
+        self.overrides = {name: self.default for name in (*self.fc, *self.compressible, *self.overrides)}
+        self.chosen, self.waiting = {}, {}
 
     def buckets_changed(self, solo: set[str], learned: bool) -> None:
-        """The engine installed new buckets: ``solo`` FC layers have one of their own."""
+        """The engine installed new buckets: ``solo`` layers have one of their own."""
         self.solo, self.learned = solo, learned
 
     def wanted_solo(self) -> set[str]:
-        """Layers that should get a bucket of their own: off the default path, or forced off it; before the
-        first pass also every FC layer not forced onto the default path, so each is watched (its K learned)
-        before the buckets are learned (a layer fused with a neighbour from the start would never be
-        considered for a factor path)."""
+        """Layers that should get a bucket of their own: off the default path (or waiting to leave it), or
+        forced off it; before the first pass also every FC layer and every layer a named lossy path could
+        take, not forced onto the default path, so each is watched (an FC layer's K learned) before the
+        buckets are learned (a layer fused with a neighbour from the start would never be considered for
+        a path of its own)."""
         forced = {name for name, path in self.overrides.items() if path != self.default}
         if not self.passes:
-            return {name for name in self.fc if self.overrides.get(name) != self.default} | forced
-        return set(self.chosen) | {name for name in forced if not self._barred(name, self.overrides[name])}
+            return {name for name in (*self.fc, *self.compressible) if self.overrides.get(name) != self.default} | forced
+        return (set(self.chosen) | set(self.waiting)
+                | {name for name in forced if not self._barred(name, self.overrides[name])})
 
     def on(self, path: str) -> set[str]:
         """The layers on ``path`` in the next pass (besides the default path's)."""
@@ -173,13 +193,19 @@ class Coordinator:
         return PassFacts(aborted_ranks, late, late_ranks, syncing)
 
     def _plan(self) -> dict[str, str]:
-        """Every layer's path off the default one: as forced, or chosen by cost (FC layers)."""
+        """Every layer's path off the default one: as forced, or chosen by cost (FC layers, and the layers
+        a named lossy path could take); a lossy path chosen by cost waits for its ``start_iter``."""
         chosen = {name: path for name, path in self.overrides.items()
                   if path != self.default and not self.paths[path].factors}
-        for name in self.fc:
+        self.waiting = {}
+        for name in dict.fromkeys((*self.fc, *self.compressible)):
             path = chosen.get(name) or self._choose(name)
-            if path is not None:
+            if path is None or name in chosen:
+                continue
+            if self.paths[path].exact or self.passes >= self.paths[path].start_iter:
                 chosen[name] = path
+            else:
+                self.waiting[name] = path
         return chosen
 
     def _barred(self, name: str, path: str) -> bool:
@@ -187,10 +213,10 @@ class Coordinator:
         return self.paths[path].factors and bool(self.sticky.get(name))
 
     def _choose(self, name: str) -> str | None:
-        """FC layer ``name``'s path off the default one for the next pass, or None."""
+        """Layer ``name``'s path off the default one for the next pass, or None."""
         forced = self.overrides.get(name)
-        if self.sticky[name]:
-            if forced is not None and self.paths[forced].factors and name not in self._warned:
+        if forced is not None and self._barred(name, forced):
+            if name not in self._warned:
                 self._warned.add(name)
                 reasons = ", ".join(text for bit, text in STICKY_NAMES.items() if self.sticky[name] & bit)
                 warnings.warn(f"PoseidonDDP: layer {name!r} stays on the {self.default} path despite overrides="
@@ -200,31 +226,62 @@ class Coordinator:
             return None
         if forced is not None:
             return forced
-        layer = self.fc[name]
-        nbytes = sum(p.numel() for p in layer.params) * layer.weight.element_size()
+        fc = self.fc.get(name)
+        params = fc.params if fc is not None else _params(self.layers[name])
+        nbytes = flat_numel(sum(p.numel() for p in params), len(params)) * params[0].element_size()  # its bucket's
         # before the buckets are learned, a layer on the default path may still join its neighbours' bucket
         # and share their messages: count only its bytes; once they are learned (fixed), a layer alone in its
         # bucket pays the latency on any path
-        default = self._predict(self.paths[self.default], nbytes, layer)
+        default = self._predict(self.paths[self.default], nbytes, params, fc)
         best, best_seconds = None, default.seconds if self.learned else self.link.beta_s_per_byte * default.bytes
-        for path in self.paths.values():
-            if not (path.by_cost and path.exact):
-                continue
-            predicted = self._predict(path, nbytes, layer)
+        for path in self.candidates(name):
+            predicted = self._predict(path, nbytes, params, fc)
             if predicted is not None and predicted.seconds < best_seconds:
                 best, best_seconds = path.name, predicted.seconds
         return best
 
-    def _predict(self, path: Path, nbytes: float, layer: FCLayer | None) -> Prediction | None:
-        """``path``'s prediction for a bucket of ``nbytes`` (``layer``: its FC layer alone, at last pass's
-        K), with the owners' pull of the new values when ``pull_values`` and the path does not reduce there."""
-        params = sum(p.numel() for p in layer.params) * layer.weight.element_size() if layer is not None else nbytes
-        fc = FCCost(layer.m, layer.n, self.k_max[layer.name], layer.weight.element_size()) if layer is not None else None
-        predicted = path.predict(BucketCost(nbytes, params, fc), self.world_size, self.link, self.gemm_flops)
+    def candidates(self, name: str) -> list[Path]:
+        """The paths layer ``name`` may be put on by cost: the exact ones chosen by cost (factor paths
+        only while no sticky fact bars them) and the lossy ones ``compression=`` names."""
+        return [path for path in self.paths.values() if path.by_cost and (path.exact or path.name in self.lossy)
+                and not self._barred(name, path.name)]
+
+    def _predict(self, path: Path, nbytes: float, params: Sequence[torch.nn.Parameter],
+                 layer: FCLayer | None) -> Prediction | None:
+        """``path``'s prediction for a bucket of ``nbytes`` holding ``params`` (``layer``: its FC layer alone,
+        at last pass's K), with the owners' pull of the new values when ``pull_values`` and the path does not
+        reduce there."""
+        element_size = params[0].element_size() if params else 4
+        param_bytes = sum(p.numel() for p in params) * element_size
+        fc = FCCost(layer.m, layer.n, self.k_max[layer.name], element_size) if layer is not None else None
+        cost = BucketCost(nbytes, param_bytes, fc, tuple(tuple(p.shape) for p in params), element_size)
+        predicted = path.predict(cost, self.world_size, self.link, self.gemm_flops, self.memory_bps)
         if predicted is None or not self.pull_values or path.reduces_at_owners:
             return predicted
-        pull = self.paths.default.predict_pull(params, self.world_size, self.link)
+        pull = self.paths.default.predict_pull(param_bytes, self.world_size, self.link)
         return Prediction(predicted.bytes + pull.bytes, predicted.seconds + pull.seconds, predicted.compute_s)
+
+    # ---- what a checkpoint carries --------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """With a lossy path named or forced: the synced passes so far (each path's ``start_iter`` counts
+        them) and the layers on a lossy path, which a resumed engine's first pass keeps there (empty
+        otherwise: exact paths need nothing)."""
+        lossy = {name: path for name, path in self.chosen.items() if not self.paths[path].exact}
+        if not (lossy or self.lossy):
+            return {}
+        return {"passes": self.passes, "lossy": lossy}
+
+    def load_state_dict(self, state: object) -> None:
+        """Restore :meth:`state_dict` before the first pass (the layers it names are alone in a bucket)."""
+        if not isinstance(state, Mapping) or set(state) - {"passes", "lossy"}:
+            raise ValueError(f"not a coordinator state (a dict of 'passes' and 'lossy'): {state!r:.80}")
+        lossy = dict(state.get("lossy", {}))
+        for name, path in lossy.items():
+            if name not in self.layers or path not in self.paths or self.paths[path].exact:
+                raise ValueError(f"the checkpoint puts layer {name!r} on {path!r}: not a layer and lossy path here")
+        self.passes = int(state.get("passes", 0))
+        self.chosen.update({name: path for name, path in lossy.items() if name in self.solo})
 
     # ---- the printable plan ---------------------------------------------------------------------
 
@@ -233,20 +290,27 @@ class Coordinator:
         return Plan([self._row(b) for b in buckets], self.world_size, self.link, self.gemm_flops)
 
     def _columns(self) -> list[Path]:
-        """The paths a plan shows: the default, those chosen by cost, those an override names."""
+        """The paths a plan shows: the default, the exact ones chosen by cost, the lossy ones ``compression=``
+        names, those an override names."""
         forced = set(self.overrides.values())
-        return [path for name, path in self.paths.items() if name == self.default or path.by_cost or name in forced]
+        return [path for name, path in self.paths.items() if name == self.default or name in forced
+                or (path.by_cost and (path.exact or name in self.lossy))]
 
     def _row(self, bucket: Bucket) -> PlanRow:
         layer = bucket.fc
         kind = type(bucket.layers[0].module).__name__ if len(bucket.layers) == 1 else f"fused x{len(bucket.layers)}"
         predictions = {}
         for path in self._columns():
-            predicted = self._predict(path, bucket.nbytes, layer) if layer is not None or not path.factors else None
+            predicted = (self._predict(path, bucket.nbytes, bucket.params, layer) if layer is not None or not path.factors
+                         else None)
             predictions[path.name] = None if predicted is None else (predicted.bytes, predicted.seconds)
         planned = self.chosen.get(bucket.layers[0].name, self.default) if len(bucket.layers) == 1 else self.default
         return PlanRow(bucket.name, kind, tuple(bucket.params[0].shape), self.k_max[layer.name] if layer else None,
                        planned, bucket.name in self.overrides, predictions, tuple(part.name for part in bucket.layers))
+
+
+def _params(layer: Layer) -> list[torch.nn.Parameter]:
+    return [p for _, p in layer.params]
 
 
 @dataclass(frozen=True)

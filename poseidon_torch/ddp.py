@@ -50,8 +50,9 @@ from .core import native_status
 from .engine import Engine
 from .env import option
 from .fc import fc_eligible, fc_spec
-from .link import LinkModel, default_link, probe_gemm_flops, probe_link
+from .link import LinkModel, default_link, probe_gemm_flops, probe_link, probe_memory_bandwidth
 from .modes import ServerRequest, check_request, delay_option, resolve, sync_nice
+from .paths import compression_option
 from .paths import names as path_names
 from .paths.ps import DEFAULT_CHUNK_BYTES
 from .pools import Groups, started_at_lower_priority
@@ -136,6 +137,8 @@ class Options:
     trace: TraceConfig | None
     engine: str
     delay: int = 0
+    #: the lossy paths ``compression=`` names, each with its settings: ((path name, ((setting, value), ...)), ...)
+    compression: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -146,6 +149,14 @@ class Options:
                              f"chunk_bytes={self.chunk_bytes}, fusion_bytes={self.fusion_bytes}")
         if self.overrides and not self.hybrid:
             raise ValueError("per-layer paths (overrides= or plan=) need hybrid=True")
+        if self.compression and not self.hybrid:
+            raise ValueError("compression= chooses paths per layer, which needs hybrid=True (hybrid=False sends every "
+                             "layer through the PS path, exactly)")
+
+    @property
+    def compression_settings(self) -> dict[str, dict[str, Any]]:
+        """Per lossy path's name, its settings (what the engine's paths are built with)."""
+        return {path: dict(settings) for path, settings in self.compression}
 
     def _check_types(self) -> None:
         """Every rank checks its own options before any collective, so a bad value fails everywhere
@@ -204,6 +215,12 @@ class PoseidonDDP(nn.Module, Joinable):
             waiting for its sync, which runs on during the next steps; ``.grad`` then holds the average
             over the ranks of the gradients of k steps earlier (None for the first k steps: torch's
             optimizers skip those). See ``modes/pipe_sgd.py`` and docs/pipe-sgd.md.
+        compression: lossy paths the coordinator may choose per layer, where its cost model predicts them
+            faster than the exact ones (default None: never; docs/compression.md): ``"powersgd"`` (rank-r
+            PowerSGD with error feedback and warm start), ``"bf16"`` or ``"fp16"`` (reduced precision with
+            error feedback), a list of them, or a dict of each with its settings, e.g.
+            ``{"powersgd": {"rank": 8, "start_iter": 100}}``. They change the arithmetic: the averages are
+            approximations whose errors are fed back into later steps.
     """
 
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
@@ -219,7 +236,8 @@ class PoseidonDDP(nn.Module, Joinable):
                  timeout: float | timedelta = 300.0, hybrid: bool = True, overrides: dict[str, str] | None = None,
                  plan: Plan | Mapping[str, str] | str | os.PathLike | None = None, link: LinkModel | None = None,
                  trace_dir: str | None = None, trace_skip: int | None = None, trace_iters: int | None = None,
-                 engine: str | None = None, delay: int = 0) -> None:
+                 engine: str | None = None, delay: int = 0,
+                 compression: str | Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None = None) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
         if not dist.is_initialized():
@@ -249,7 +267,9 @@ class PoseidonDDP(nn.Module, Joinable):
             broadcast_buffers=ddp.buffers_follow_rank0, init_sync=init_sync, hybrid=hybrid,
             overrides=tuple(sorted((overrides or {}).items())), link=link,
             trace=TraceConfig.resolve(trace_dir, trace_skip, trace_iters),
-            engine=option(engine, "ENGINE", str, "native"), delay=delay)
+            engine=option(engine, "ENGINE", str, "native"), delay=delay,
+            compression=tuple((path, tuple(sorted(settings.items())))
+                              for path, settings in compression_option(compression).items()))
         self._group = ddp.group or dist.group.WORLD
         self._group_ranks = dist.get_process_group_ranks(self._group)
         if dist.get_rank() not in self._group_ranks:
@@ -288,7 +308,7 @@ class PoseidonDDP(nn.Module, Joinable):
                            self._staged, 0)
         self._has_buffers = any(True for _ in self.module.buffers())
         self.recorder = Recorder(options.trace, self.rank, self.world_size, self._groups.control.all_gather_objects)
-        self._link, self._gemm = self._cost_inputs(device)
+        self._link, self._gemm, self._memory = self._cost_inputs(device)
         self._native = options.engine == "native" and device.type == "cpu" and not native_status()
         layers = find_layers(self.module)
         self.synced_parameters = {id(p) for layer in layers for _, p in layer.params}
@@ -305,7 +325,8 @@ class PoseidonDDP(nn.Module, Joinable):
         self._engine = Engine(self.module, groups=self._groups, chunk_bytes=options.chunk_bytes,
                               fusion_bytes=options.fusion_bytes, timeout=options.timeout, staged=self._staged,
                               recorder=self.recorder, hybrid=options.hybrid, link=self._link, gemm_flops=self._gemm,
-                              overrides=self._overrides, native=self._native, mode=resolve(options.delay, self._request))
+                              overrides=self._overrides, native=self._native, mode=resolve(options.delay, self._request),
+                              memory_bps=self._memory, compression=options.compression_settings)
         self._open.engine = self._engine
         return self._engine
 
@@ -335,16 +356,20 @@ class PoseidonDDP(nn.Module, Joinable):
                           "closing that one (call close() on a wrapper you replace)", stacklevel=3)
             previous.close()
 
-    def _cost_inputs(self, device: torch.device) -> tuple[LinkModel, float | None]:
-        """The link and GEMM rate for the cost model: probed (collectively) only when some layer could
-        take the SFB path at all (the GEMM rate is None otherwise); otherwise the buckets' own first sync
-        jobs are the measurement."""
-        if not self.options.hybrid or self.world_size == 1 or not any(fc_spec(m) for m in self.module.modules()):
-            return self.options.link or default_link("not probed: no layer can take SFB"), None
+    def _cost_inputs(self, device: torch.device) -> tuple[LinkModel, float | None, float | None]:
+        """The link, GEMM rate and memory bandwidth for the cost model: the link and GEMM rate probed
+        (collectively) only when some layer could take the SFB path or ``compression=`` names a path (the
+        GEMM rate is None otherwise), the memory bandwidth only in the latter case; otherwise the buckets'
+        own first sync jobs are the measurement."""
+        options = self.options
+        fc = options.hybrid and any(fc_spec(m) for m in self.module.modules())
+        if self.world_size == 1 or not (fc or options.compression):
+            return options.link or default_link("not probed: no layer can take SFB"), None, None
         wire = "cpu" if self._staged else device
         key = (tuple(self._group_ranks), self._backend)
-        link = self.options.link or probe_link(self._groups.data, key, device=wire)
-        return link, probe_gemm_flops(device, self._groups.data, key)
+        link = options.link or probe_link(self._groups.data, key, device=wire)
+        memory = probe_memory_bandwidth(wire, self._groups.data, key) if options.compression else None
+        return link, probe_gemm_flops(device, self._groups.data, key), memory
 
     def close(self) -> None:
         """Drain the last step's sync, stop the sync threads, remove every hook, release the process
@@ -362,7 +387,7 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for name in ("_engine", "_open", "_groups", "recorder", "_link", "_gemm", "_native", "_overrides"):
+        for name in ("_engine", "_open", "_groups", "recorder", "_link", "_gemm", "_memory", "_native", "_overrides"):
             state.pop(name, None)
         state["_group"] = None  # a copy makes its own group over the same ranks when it starts
         state["_request"] = None  # and has no ServerOptimizer
@@ -523,7 +548,7 @@ class PoseidonDDP(nn.Module, Joinable):
             if differing:
                 raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank}: {differing}")
         check_request(self.options.delay, dict(self.options.overrides),
-                      {p.device.type for p in self.module.parameters()}, request)
+                      {p.device.type for p in self.module.parameters()}, request, self.options.compression_settings)
         self._request = request
 
     def synchronize(self) -> None:
@@ -534,22 +559,29 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def consistency_state_dict(self) -> dict:
         """What a checkpoint must carry besides the model and the optimizer to resume the same
-        trajectory: with ``delay=k``, the averaged gradients still in flight. Collective (call it on
+        trajectory: with ``delay=k``, the averaged gradients still in flight; with a lossy path
+        (``compression=``), its error-feedback residuals (and PowerSGD's warm-start Q) under ``"paths"``
+        and the coordinator's passes and lossy layers under ``"coordinator"``. Collective (call it on
         every rank, as ``ZeroRedundancyOptimizer.consolidate_state_dict``): it waits for the last sync."""
         engine = self._started_engine("consistency_state_dict()")
         engine.settle()
         names = {id(p): name for name, p in self.module.named_parameters()}
         state = engine.mode.state_dict(names)
         paths = {name: kept for name, path in engine.paths.items() if (kept := path.state_dict())}
-        return {**state, "paths": paths} if paths else state
+        plan = engine.coordinator.state_dict()
+        return {**state, **({"paths": paths} if paths else {}), **({"coordinator": plan} if plan else {})}
 
     def load_consistency_state_dict(self, state: dict) -> None:
         """Restore what :meth:`consistency_state_dict` saved (before the first step of the resumed run)."""
         engine = self._started_engine("load_consistency_state_dict()")
         engine.settle()
         engine.mode.load_state_dict(state, dict(self.module.named_parameters()))
-        for name, kept in (state.get("paths", {}) if isinstance(state, dict) else {}).items():
+        for name, kept in state.get("paths", {}).items():
+            if name not in engine.paths:
+                raise ValueError(f"the consistency state has a state for path {name!r}, which is not registered")
             engine.paths[name].load_state_dict(kept)
+        if "coordinator" in state:
+            engine.coordinator.load_state_dict(state["coordinator"])
 
     @property
     def require_backward_grad_sync(self) -> bool:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -132,7 +132,8 @@ class Engine:
 
     def __init__(self, module: nn.Module, *, groups: Groups, chunk_bytes: int, fusion_bytes: int,
                  timeout: float, staged: bool, recorder: Recorder, hybrid: bool, link: LinkModel,
-                 gemm_flops: float | None, overrides: dict[str, str], native: bool, mode: Mode) -> None:
+                 gemm_flops: float | None, overrides: dict[str, str], native: bool, mode: Mode,
+                 memory_bps: float | None = None, compression: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.rank, self.world_size = groups.control.rank, groups.control.size
         self.mode = mode  #: the consistency model, for the engine's lifetime (``modes/``)
         self.timeout, self.staged, self.recorder = timeout, staged, recorder
@@ -151,10 +152,12 @@ class Engine:
         if hybrid and self.world_size > 1:
             self.fc = fc_layers(self.layers, module, self.in_forward, self.in_synced_forward)
         #: the registered paths by name (``paths/``)
+        compression = dict(compression or {})
         self.paths = Paths.build(PathEnv(self.rank, self.world_size, chunk_bytes,
-                                         torch.device("cpu") if staged else device))
+                                         torch.device("cpu") if staged else device, settings=compression))
         self._default = self.paths.default  #: late gradients are synced again through it; the core runs it
-        self.coordinator = Coordinator(self.fc, self.world_size, link, gemm_flops, overrides, self.paths)
+        self.coordinator = Coordinator(self.fc, self.world_size, link, gemm_flops, overrides, self.paths,
+                                       layers=self.layers, lossy=tuple(compression), memory_bps=memory_bps)
         self._streams = StreamPool(device, len(self._channels)) if device.type == "cuda" else None
         self._lanes = [f"channel-{i}" for i in range(len(self._channels))]
         make = NativeCore if native and device.type == "cpu" else PythonCore
@@ -218,7 +221,7 @@ class Engine:
         self._fc_bucket = {b.fc.name: b for b in buckets if b.fc is not None}
         for name, layer in self.fc.items():
             layer.watching = name in self._fc_bucket
-        self.coordinator.buckets_changed(set(self._fc_bucket), self._learned)
+        self.coordinator.buckets_changed({b.layers[0].name for b in buckets if len(b.layers) == 1}, self._learned)
         for path in self.paths.values():
             path.prepare(buckets)
         self.mode.buckets_changed(buckets)

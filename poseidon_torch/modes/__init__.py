@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from ..paths import default_name
+from ..paths import default_name, path_class
 from .base import INITIAL_FUSION_BYTES, Engine, Mode
 from .bsp import BSP
 from .pipe_sgd import PipeSGD, delay_option
@@ -40,10 +40,18 @@ def sync_nice(delay: int) -> int:
     return PipeSGD.sync_nice if delay else BSP.sync_nice
 
 
-def check_request(delay: int, overrides: Mapping[str, str], devices: Iterable[str], request: ServerRequest) -> None:
+def check_request(delay: int, overrides: Mapping[str, str], devices: Iterable[str], request: ServerRequest,
+                  compression: Mapping[str, object] | None = None) -> None:
     """Refuse, when the ``ServerOptimizer`` is built, what its mode could not run: a wrapper that delays
-    its gradients already, overrides that need every rank at the same step under a staleness bound,
-    parameters off the CPU for the SSP server threads."""
+    its gradients already, a lossy path (compressed pushes to the shards are not built: the owners would
+    step from an approximation whose error feedback no mode keeps), overrides that need every rank at the
+    same step under a staleness bound, parameters off the CPU for the SSP server threads."""
+    lossy = sorted(set(compression or {}) | {path for path in overrides.values() if not path_class(path).exact})
+    if lossy:
+        raise NotImplementedError(f"a ServerOptimizer on a PoseidonDDP with lossy paths {lossy} (compression= or "
+                                  "overrides=) is not supported: compressed pushes to the parameter server are not "
+                                  "implemented; use the model's own optimizer with compression=, or a ServerOptimizer "
+                                  "without it")
     if delay:
         raise RuntimeError(f"PoseidonDDP(delay={delay}) delays the averaged gradients of the default mode; a "
                            "ServerOptimizer on it is not supported yet")

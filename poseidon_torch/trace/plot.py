@@ -17,7 +17,7 @@ from .spans import COMM_KINDS, Span  # noqa: E402
 from .summary import NS_PER_MS, iterations_of  # noqa: E402
 
 #: the network spans' colour of each registered path, in registration order
-PATH_COLORS = ("#c44e52", "#8172b2", "#8c613c", "#2ca02c", "#17becf")
+PATH_COLORS = ("#c44e52", "#8172b2", "#8c613c", "#2ca02c", "#17becf", "#bcbd22")
 #: Bar style per drawn span: (legend label, face colour or None for an outline, bar height in lane units).
 STYLES = {
     "forward": ("forward", "#4c72b0", 0.8),
@@ -25,6 +25,8 @@ STYLES = {
     "queue": ("queued", "#ccb974", 0.5),
     "gather": ("gather into send buffer", "#64b5cd", 0.5),
     "rebuild": ("rebuild (GEMM)", "#da8bc3", 0.5),
+    "compress": ("compression", "#9467bd", 0.5),
+    "decompress": ("decompression", "#e377c2", 0.5),
     "update": ("optimizer step at a shard", "#8c8c8c", 0.5),
     "scatter": ("scatter into .grad", "#dd8452", 0.5),
     **{f"network {path.name}": (f"network, {path.name}", color, 0.5) for path, color in zip(REGISTERED, PATH_COLORS)},

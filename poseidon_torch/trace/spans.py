@@ -15,15 +15,16 @@ from typing import Any
 #: iteration: forward start to the end of the BSP barrier; queue: a sync job waiting for its channel;
 #: the phases of a sync job, as its path yields them: gather (gradients or factors into the send
 #: buffer, device-to-host on the staged GPU path), network (bytes on the wire), rebuild (SFB's GEMM),
-#: update (the optimizer step at a shard, parameter-server mode); scatter: every average back into
+#: compress / decompress (a lossy path's compute before and after its messages), update (the optimizer
+#: step at a shard, parameter-server mode); scatter: every average back into
 #: ``.grad``, on the compute lane at the end of backward; sync: a whole sync job, or the first slot of a
 #: split one (args carry ``path`` and ``bytes``); pull: the second slot of a split job (update and pull,
 #: parameter-server mode; it carries the job's bytes); wait: the training thread blocked on the sync, named
 #: for what it waits on (:data:`WAIT_NAMES`), inside a forward span or after the backward.
-SPAN_KINDS = ("forward", "backward", "iteration", "queue", "gather", "network", "rebuild", "update", "scatter",
-              "sync", "pull", "wait")
+SPAN_KINDS = ("forward", "backward", "iteration", "queue", "gather", "network", "rebuild", "compress", "decompress",
+              "update", "scatter", "sync", "pull", "wait")
 JOB_KINDS = ("sync", "pull")
-PHASE_KINDS = ("gather", "network", "rebuild", "update", "scatter")
+PHASE_KINDS = ("gather", "network", "rebuild", "compress", "decompress", "update", "scatter")
 COMPUTE_KINDS = ("forward", "backward")
 COMM_KINDS = ("network",)
 WAIT_KINDS = ("wait",)

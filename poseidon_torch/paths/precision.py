@@ -1,0 +1,145 @@
+"""Reduced precision with error feedback: the bucket travels the parameter-server path's way (push to
+the chunk owners, aggregate, pull), in bf16 or fp16 instead of the bucket's dtype.
+``compression="bf16"`` or ``"fp16"`` (torch's ``bf16_compress_hook`` / ``fp16_compress_hook``, with
+error feedback at both ends, as DoubleSqueeze, Tang et al. 2019, compensates worker and server).
+
+One sync, with M = gradient + residual per parameter (``lossy.py``) and P ranks:
+- every rank casts M to the wire dtype (saturating at its largest finite value, so an fp16 overflow
+  stays in the residual instead of becoming inf) and pushes each chunk's part to its owner;
+- an owner sums the P parts of its chunk in fp32 (fp64 for an fp64 bucket), in rank order, divides by P, casts the mean to the
+  wire dtype and pulls it to every rank: every rank applies
+
+      average = wire( fp32 sum over ranks in rank order of wire(M_rank) / P )
+
+  bit-identical on every rank; the flags travel exactly (small integers);
+- each rank's new residual is M - wire(M); the owner of a chunk also keeps P times the rounding of
+  the chunk's mean (fp32 mean - wire(mean)) in its residual, so the mean of the residuals carries
+  that too and error feedback loses nothing.
+
+Bytes one rank sends: those of the PS path for a buffer of the wire dtype, 2 (P-1)/P of (flat numel x
+2 bytes): half of an fp32 bucket's. Compute: a few passes over the bucket in memory (the residual
+added, the cast, the new residual, the upcast), about 8 bytes moved per fp32 element, at the memory
+bandwidth. Setting: ``start_iter`` (1: from the second synced pass on, as every path off the default
+one). A bucket of the wire dtype or smaller is not this path's (nothing to gain).
+"""
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ..bucket import Bucket
+from ..link import LinkModel
+from ..pools import ChannelGroups
+from .base import BucketCost, PathEnv, Prediction, SyncContext
+from .lossy import LossyPath
+from .ps import Schedule, build_schedule, plan_chunks, predict_ps, run_messages
+
+#: bytes of memory traffic per element of a sync, besides the wire's own bytes (see the module docstring)
+_PASSES_PER_ELEMENT = 8
+
+
+@dataclass
+class Wire:
+    """A bucket's copy in the wire dtype and its push / aggregate / pull schedule."""
+
+    buffer: Tensor
+    schedule: Schedule
+
+
+class CastPath(LossyPath):
+    """The bucket sent in ``wire_dtype`` through the chunk owners, with error feedback at both ends."""
+
+    wire_dtype: ClassVar[torch.dtype] = torch.bfloat16
+
+    def __init__(self, env: PathEnv) -> None:
+        super().__init__(env)
+        self._wires: dict[int, Wire] = {}
+
+    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
+                memory_bps: float | None = None) -> Prediction | None:
+        """None for a bucket no wider than the wire dtype, or without the memory bandwidth."""
+        wire_size = self.wire_dtype.itemsize
+        if cost.element_size <= wire_size or memory_bps is None:
+            return None
+        elements = cost.nbytes / cost.element_size
+        sent, seconds = predict_ps(elements * wire_size, world_size, link)
+        compute_s = elements * (_PASSES_PER_ELEMENT * max(cost.element_size, 4) + 2 * wire_size) / memory_bps
+        return Prediction(sent, seconds + compute_s, compute_s)
+
+    def prepare(self, buckets: Sequence[Bucket]) -> None:
+        """Each bucket's wire buffer, cut into chunks of at most ``chunk_bytes`` of the wire dtype."""
+        super().prepare(buckets)
+        sizes = [self.wire_dtype.itemsize] * len(buckets)
+        plan = plan_chunks([b.flat.numel() for b in buckets], sizes, self.world_size, self.env.chunk_bytes)
+        self._wires = {}
+        for bucket, chunks in zip(buckets, plan):
+            buffer = torch.zeros(bucket.flat.numel(), dtype=self.wire_dtype, device=bucket.flat.device)
+            self._wires[id(bucket)] = Wire(buffer, build_schedule(buffer, bucket.grad_numel, chunks, self.rank,
+                                                                  self.world_size))
+
+    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, bool]:
+        wire, size = self._wires[id(bucket)], groups.size
+        yield "compress"
+        m = self.with_residuals(bucket, ctx)
+        gradients = wire.buffer[:bucket.grad_numel]
+        limit = torch.finfo(self.wire_dtype).max
+        gradients.copy_(m.clamp(-limit, limit))
+        m -= gradients  # the new residuals: what the cast dropped
+        wire.buffer[bucket.grad_numel:].copy_(bucket.flat[bucket.grad_numel:])
+        yield "network"
+        for messages in wire.schedule.push:
+            run_messages(messages, groups)
+        rounding = [_average_into(own, parts, size, m.dtype) for own, parts in wire.schedule.aggregate]
+        for messages in wire.schedule.pull:
+            run_messages(messages, groups)
+        bucket.bytes_sent = wire.schedule.bytes_sent
+        bucket.outcome = self.name
+        yield "decompress"
+        bucket.flat.copy_(wire.buffer)
+        _keep_owner_rounding(m, wire, rounding, size)
+        for p, residual in bucket.views(m):
+            self.propose(bucket, p, residual)
+        if ctx.shadow:
+            return False
+        return bucket.read_flags()
+
+
+def _keep_owner_rounding(residuals: Tensor, wire: Wire, rounding: list[Tensor], size: int) -> None:
+    """Add P times the rounding of each owned chunk's mean to the ``residuals`` of its gradient part."""
+    for (own, _), lost in zip(wire.schedule.aggregate, rounding):
+        start = own.storage_offset() - wire.buffer.storage_offset()
+        stop = min(start + own.numel(), residuals.numel())
+        if stop > start:
+            residuals[start:stop] += lost[:stop - start].to(residuals.dtype) * size
+
+
+def _average_into(own: Tensor, parts: list[Tensor], world_size: int, dtype: torch.dtype) -> Tensor:
+    """The mean of every rank's part, summed in ``dtype`` (fp32, or fp64 for an fp64 bucket) in rank
+    order, cast into ``own``; what the cast lost."""
+    total = parts[0].to(dtype)
+    for part in parts[1:]:
+        total += part.to(dtype)
+    mean = total.div_(world_size)
+    own.copy_(mean)
+    return mean.sub_(own.to(dtype))
+
+
+class BF16Path(CastPath):
+    """bfloat16 on the wire: fp32's range, 8 bits of mantissa."""
+
+    name = "BF16"
+    option = "bf16"
+    wire_dtype = torch.bfloat16
+
+
+class FP16Path(CastPath):
+    """float16 on the wire: 11 bits of mantissa, values beyond 65504 saturate (the excess stays in the
+    residual)."""
+
+    name = "FP16"
+    option = "fp16"
+    wire_dtype = torch.float16

@@ -1,0 +1,150 @@
+"""Rank-side functions of the compression tests (``test_compression.py``): a model whose gradients are
+given (so every rank's input to a lossy path is known to the test), and training runs that save and
+resume.
+
+:class:`Given` holds parameters of the drawn shapes, one layer per entry; its forward takes this rank's
+gradients of the step and returns sum(p * g): backward leaves exactly g in ``.grad``, whatever the
+parameters are, so the single-process references in the tests can replay a lossy path's algorithm on the
+same per-rank inputs.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+import placement
+from models import ModelSpec, batch, build
+from poseidon_torch import PoseidonDDP
+from poseidon_torch.paths import path_class
+from training import OPTIMIZERS, shard
+
+#: the layers of a :class:`Given` model: per layer, its parameters' shapes (the first one is its "weight")
+Layers = tuple[tuple[tuple[int, ...], ...], ...]
+
+
+class Holder(nn.Module):
+    """One layer: parameters p0, p1, ... of the given shapes."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> None:
+        super().__init__()
+        for i, shape in enumerate(shapes):
+            self.register_parameter(f"p{i}", nn.Parameter(torch.zeros(shape, dtype=dtype)))
+
+
+class Given(nn.Module):
+    """Layers l0, l1, ...; ``forward(grads)`` = sum over parameters of (p * g).sum()."""
+
+    def __init__(self, layers: Layers, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Holder(shapes, dtype) for shapes in layers)
+
+    def forward(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        return sum((p * g).sum() for p, g in zip(self.parameters(), grads))
+
+
+def names(layers: Layers) -> list[str]:
+    return [f"layers.{i}.p{j}" for i, shapes in enumerate(layers) for j in range(len(shapes))]
+
+
+def gradients(layers: Layers, rank: int, step: int, dtype: torch.dtype, low_rank: int = 0) -> list[torch.Tensor]:
+    """Rank ``rank``'s gradients at ``step``: normal draws; with ``low_rank`` > 0, every matrix (first
+    dimension by the rest) is U C V^T with U and V shared by the ranks and C (low_rank x low_rank) the
+    rank's own, so the mean over the ranks has rank <= low_rank."""
+    out = []
+    for i, shapes in enumerate(layers):
+        for j, shape in enumerate(shapes):
+            own = torch.Generator().manual_seed(7919 * rank + 104729 * step + 31 * i + j)
+            if low_rank and len(shape) >= 2:
+                rows = shape[0]
+                cols = torch.Size(shape).numel() // rows
+                shared = torch.Generator().manual_seed(104729 * step + 31 * i + j)
+                u = torch.randn(rows, low_rank, generator=shared, dtype=torch.float64)
+                v = torch.randn(cols, low_rank, generator=shared, dtype=torch.float64)
+                c = torch.randn(low_rank, low_rank, generator=own, dtype=torch.float64)
+                out.append((u @ c @ v.T).reshape(shape).to(dtype))
+            else:
+                out.append(torch.randn(shape, generator=own, dtype=torch.float64).to(dtype))
+    return out
+
+
+def given_run(rank: int, world_size: int, layers: Layers, path: str, steps: int, dtype: torch.dtype,
+              low_rank: int = 0, settings: dict | None = None, delay: int = 0, scale: float = 1.0) -> dict:
+    """``steps`` backwards of :class:`Given` (its gradients times ``scale``) with ``path`` forced on every
+    layer (with ``settings``: also named by ``compression={option: settings}``, which probes the rates the
+    plan costs it with); per step the ``.grad`` after backward, each bucket's outcome and the bytes by
+    bucket and path; the consistency state at the end; the plan's predictions per bucket and path."""
+    model = Given(layers, dtype).to(placement.DEVICE)
+    everything = {layer: path for layer in (f"layers.{i}" for i in range(len(layers)))}
+    options = {}
+    if settings is not None:
+        options["compression"] = {path_class(path).option: settings}
+    wrapped = PoseidonDDP(model, fusion_bytes=0, overrides=everything, timeout=60, delay=delay, **options)
+    out: dict = {"grads": [], "outcomes": [], "bytes": [], "by_path": []}
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        grads = [g.to(placement.DEVICE) * scale for g in gradients(layers, rank, step, dtype, low_rank)]
+        wrapped(grads).backward()
+        out["grads"].append({n: None if p.grad is None else p.grad.detach().clone()
+                             for n, p in model.named_parameters()})
+        stats = wrapped.comm_stats
+        out["outcomes"].append(dict(stats.outcome_by_bucket))
+        out["bytes"].append(dict(stats.bytes_by_bucket))
+        out["by_path"].append(dict(stats.bytes_by_path))
+    out["state"] = wrapped.consistency_state_dict()
+    plan = wrapped.plan
+    out["predicted"] = {row.name: row.predictions for row in plan.rows}
+    wrapped.close()
+    return out
+
+
+def train(rank: int, world_size: int, spec: ModelSpec, options: dict, steps: int, size: int,
+          resume_at: int | None = None, load_state: bool = True) -> dict:
+    """SGD with momentum on ``spec``'s model under ``PoseidonDDP(**options)``; the parameters after every
+    step. With ``resume_at``: after that many steps the model, the optimizer and the consistency state are
+    saved, the wrapper closed, and a fresh model, wrapper and optimizer load them (the consistency state
+    only if ``load_state``) and train on."""
+    cls, kwargs = OPTIMIZERS["sgd"]
+    model = build(spec, seed=spec.seed)
+    wrapped = PoseidonDDP(model, timeout=60, **options)
+    opt = cls(model.parameters(), **kwargs)
+    out: dict = {"params": [], "outcomes": []}
+    for step in range(steps):
+        if step == resume_at:
+            saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(),
+                     wrapped.consistency_state_dict())
+            wrapped.close()
+            model = build(spec, seed=spec.seed + 1)  # other values: everything must come from the checkpoint
+            model.load_state_dict(saved[0])
+            wrapped = PoseidonDDP(model, timeout=60, **options)
+            opt = cls(model.parameters(), **kwargs)
+            opt.load_state_dict(saved[1])
+            if load_state:
+                wrapped.load_consistency_state_dict(saved[2])
+        x, y = batch(spec, step, size, world_size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(wrapped(shard(x, rank, size)), shard(y, rank, size)).backward()
+        opt.step()
+        out["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+        out["outcomes"].append(dict(wrapped.comm_stats.outcome_by_bucket))
+    wrapped.close()
+    return out
+
+
+def construct(rank: int, world_size: int, options: dict, server: bool = False) -> str:
+    """Build PoseidonDDP with ``options`` on a small model (and a ServerOptimizer on it if ``server``);
+    the error's type and message, or "" when nothing was refused."""
+    from poseidon_torch import ServerOptimizer
+    model = build(ModelSpec(widths=(8,)), seed=0)
+    wrapped = None
+    try:
+        wrapped = PoseidonDDP(model, timeout=30, **options)
+        if server:
+            ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1)
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        if wrapped is not None:
+            wrapped.close()
+    return ""

@@ -1,0 +1,377 @@
+"""The lossy paths (``paths/powersgd.py``, ``paths/precision.py``) and ``PoseidonDDP(compression=...)``.
+
+Each path is forced on every layer of a model whose gradients the test gives (``compression_workers``),
+so the single-process references below replay the algorithm on the same per-rank inputs; every rank is
+checked, and every test asserts the path ran (the buckets' outcomes). The first pass of an engine runs
+on the default path (exact), so the lossy steps are the later ones.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import compression_workers as cw
+from models import ModelSpec, build
+from poseidon_torch.bucket import Layer, build_buckets, find_layers
+from poseidon_torch.coordinator import Coordinator
+from poseidon_torch.link import LinkModel
+from poseidon_torch.paths import Paths, PathEnv, compression_option, path_class
+from poseidon_torch.paths.powersgd import initial_q
+
+#: a linear layer, a conv layer (out 6, in 3 x 3 x 3: compressed as 6 x 27) and a layer of vectors
+LAYERS: cw.Layers = (((12, 20), (12,)), ((6, 3, 3, 3), (6,)), ((5,),))
+STEPS = 5
+
+
+def compressed(shape: tuple[int, ...], rank: int, min_rate: float = 2.0) -> int:
+    """torch's rule, as the docs state it: a matrix is compressed to r' = min(r, rows, cols) where
+    r' (rows + cols) * min_rate < rows * cols; 1-D tensors never."""
+    if len(shape) < 2:
+        return 0
+    rows, cols = shape[0], torch.Size(shape).numel() // shape[0]
+    r = min(rank, rows, cols)
+    return r if r * (rows + cols) * min_rate < rows * cols else 0
+
+
+def mean(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return sum(tensors) / len(tensors)
+
+
+def powersgd_reference(layers: cw.Layers, world_size: int, steps: int, dtype: torch.dtype, rank: int,
+                       low_rank: int = 0, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """PowerSGD in one process on every rank's gradients (Vogels et al. 2019, one power iteration per
+    step, error feedback, warm start), step 0 exact: per step the average every rank applies, and each
+    rank's residuals at the end."""
+    names = cw.names(layers)
+    shapes = [shape for layer in layers for shape in layer]
+    residual = [{name: torch.zeros(shape, dtype=dtype) for name, shape in zip(names, shapes)}
+                for _ in range(world_size)]
+    qs: dict[str, torch.Tensor] = {}
+    applied = []
+    for t in range(steps):
+        per_rank = [cw.gradients(layers, w, t, dtype, low_rank) for w in range(world_size)]
+        step = {}
+        for i, (name, shape) in enumerate(zip(names, shapes)):
+            r = compressed(shape, rank)
+            if t == 0 or not r:
+                step[name] = mean([g[i] for g in per_rank])
+                continue
+            rows = shape[0]
+            ms = [(per_rank[w][i] + residual[w][name]).reshape(rows, -1) for w in range(world_size)]
+            q = qs.get(name, initial_q(name, ms[0].shape[1], r, seed, dtype))
+            basis = torch.linalg.qr(sum(m @ q for m in ms)).Q
+            qs[name] = q = mean([m.T @ basis for m in ms])
+            average = basis @ q.T
+            for w in range(world_size):
+                residual[w][name] = (ms[w] - average).reshape(shape)
+            step[name] = average.reshape(shape)
+        applied.append(step)
+    return applied, residual
+
+
+def assert_ran(results: list[dict], path: str, steps: int) -> None:
+    """Every bucket on ``path`` from the second step on, on every rank."""
+    for rank, result in enumerate(results):
+        for step in range(1, steps):
+            assert set(result["outcomes"][step].values()) == {path}, (rank, step, result["outcomes"][step])
+
+
+def assert_same_on_every_rank(results: list[dict]) -> None:
+    for step, grads in enumerate(results[0]["grads"]):
+        for rank, other in enumerate(results[1:], 1):
+            for name, grad in grads.items():
+                assert torch.equal(other["grads"][step][name], grad), f"rank {rank} step {step} {name}"
+
+
+# ---- PowerSGD against its single-process reference ------------------------------------------------------
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_powersgd_equals_the_single_process_algorithm(cluster, rank):
+    P = cluster.world_size
+    results = cluster.run(cw.given_run, LAYERS, "PowerSGD", STEPS, torch.float64, 0, {"rank": rank})
+    assert_ran(results, "PowerSGD", STEPS)
+    assert_same_on_every_rank(results)
+    applied, residual = powersgd_reference(LAYERS, P, STEPS, torch.float64, rank)
+    for w, result in enumerate(results):
+        for step, expected in enumerate(applied):
+            for name, value in expected.items():
+                torch.testing.assert_close(result["grads"][step][name], value, rtol=1e-9, atol=1e-10,
+                                           msg=lambda m: f"rank {w} step {step} {name}: {m}")
+        kept = result["state"]["paths"]["PowerSGD"]["residual"]
+        for name, value in residual[w].items():
+            torch.testing.assert_close(kept.get(name, torch.zeros_like(value)), value, rtol=1e-9, atol=1e-10,
+                                       msg=lambda m: f"rank {w} residual of {name}: {m}")
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+def test_a_gradient_of_rank_at_most_r_passes_powersgd_unchanged(cluster, dtype, tolerance):
+    """The mean over the ranks of every matrix has rank 2 <= r: the applied average is that mean (to
+    rounding: ``tolerance`` of the largest value, fp32 rounding grows with the conditioning of P), at every
+    step, and the mean of the ranks' residuals is nothing."""
+    P = cluster.world_size
+    results = cluster.run(cw.given_run, LAYERS, "PowerSGD", STEPS, dtype, 2, {"rank": 2})
+    assert_ran(results, "PowerSGD", STEPS)
+    for w, result in enumerate(results):
+        for step in range(STEPS):
+            true = [mean(list(g)) for g in zip(*(cw.gradients(LAYERS, r, step, dtype, 2) for r in range(P)))]
+            for name, value in zip(cw.names(LAYERS), true):
+                error = (result["grads"][step][name] - value).abs().max()
+                assert error <= tolerance * value.abs().max(), (w, step, name, float(error))
+    kept = [result["state"]["paths"]["PowerSGD"]["residual"] for result in results]
+    for name in kept[0]:  # each rank keeps its own M minus the mean; nothing of the mean is left
+        left = mean([residuals[name] for residuals in kept]).abs().max()
+        assert left <= tolerance * 10, (name, float(left))
+
+
+# ---- error feedback loses nothing -----------------------------------------------------------------------
+
+def assert_nothing_lost(results: list[dict], layers: cw.Layers, path: str, steps: int, dtype: torch.dtype,
+                        rtol: float, atol: float) -> None:
+    """Sum of the applied averages + mean over the ranks of the residuals == sum of the true averages."""
+    P = len(results)
+    for name_index, name in enumerate(cw.names(layers)):
+        true = sum(mean([cw.gradients(layers, r, t, dtype)[name_index] for r in range(P)]) for t in range(steps))
+        for w, result in enumerate(results):
+            applied = sum(result["grads"][t][name] for t in range(steps))
+            kept = [other["state"].get("paths", {}).get(path, {}).get("residual", {}).get(name) for other in results]
+            left = mean([torch.zeros_like(true) if k is None else k.to(dtype) for k in kept])
+            torch.testing.assert_close(applied + left, true, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"{path} rank {w} {name}: {m}")
+
+
+def settings_of(path: str) -> dict:
+    """Compression from the second step on; PowerSGD at rank 2 (which compresses every matrix of LAYERS)."""
+    return {"start_iter": 1, "rank": 2} if path == "PowerSGD" else {"start_iter": 1}
+
+
+layer_shapes = st.lists(st.lists(st.sampled_from([(16, 24), (9, 40), (4, 2, 3, 3), (30,), (7, 5), (33, 17)]),
+                                 min_size=1, max_size=2).map(tuple), min_size=1, max_size=3).map(tuple)
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None)
+@given(layers=layer_shapes, path=st.sampled_from(["PowerSGD", "BF16", "FP16"]))
+def test_error_feedback_loses_nothing_on_generated_models_fp64(cluster, layers, path):
+    results = cluster.run(cw.given_run, layers, path, STEPS, torch.float64, 0, settings_of(path))
+    assert_ran(results, path, STEPS)
+    assert_same_on_every_rank(results)
+    assert_nothing_lost(results, layers, path, STEPS, torch.float64, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["PowerSGD", "BF16"])
+def test_error_feedback_loses_nothing(cluster, path):
+    """fp64: exact but for fp64 rounding; fp32: to fp32 rounding."""
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+        results = cluster.run(cw.given_run, LAYERS, path, STEPS, dtype, 0, settings_of(path))
+        assert_ran(results, path, STEPS)
+        assert all(result["state"]["paths"][path]["residual"] for result in results)
+        assert_nothing_lost(results, LAYERS, path, STEPS, dtype, rtol=tolerance, atol=tolerance)
+
+
+# ---- reduced precision ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, wire", [("BF16", torch.bfloat16), ("FP16", torch.float16)])
+def test_reduced_precision_average_is_the_documented_rounding(cluster, path, wire):
+    """Step 1 (the first on the path, residuals zero): every rank applies
+    wire(fp32 sum over ranks in rank order of wire(g_rank) / P), bit for bit."""
+    P = cluster.world_size
+    results = cluster.run(cw.given_run, LAYERS, path, 2, torch.float32)
+    assert_ran(results, path, 2)
+    per_rank = [cw.gradients(LAYERS, r, 1, torch.float32) for r in range(P)]
+    for i, name in enumerate(cw.names(LAYERS)):
+        total = per_rank[0][i].to(wire).float()
+        for r in range(1, P):
+            total += per_rank[r][i].to(wire).float()
+        expected = (total / P).to(wire).float()
+        for w, result in enumerate(results):
+            assert torch.equal(result["grads"][1][name], expected), (w, name)
+
+
+def test_fp16_saturates_instead_of_overflowing(cluster):
+    """A gradient beyond fp16's range is sent as 65504; the excess stays in the residual (nothing is inf)."""
+    results = cluster.run(cw.given_run, (((3,),),), "FP16", 2, torch.float32, 0, None, 0, 1e6)
+    assert all(result["grads"][1]["layers.0.p0"].abs().max() <= 65504 for result in results)
+    assert_ran(results, "FP16", 2)
+    for result in results:
+        assert torch.isfinite(result["grads"][1]["layers.0.p0"]).all()
+        assert result["state"]["paths"]["FP16"]["residual"]["layers.0.p0"].abs().max() > 1e5
+
+
+# ---- bytes ----------------------------------------------------------------------------------------------
+
+def powersgd_bytes(shapes: list[tuple[int, ...]], rank: int, world_size: int) -> int:
+    """The documented bytes of one rank's PowerSGD sync of a bucket of fp32 ``shapes``: a ring
+    all-reduce of [P's | uncompressed | flags], then one of the Q's (none if nothing is compressed)."""
+    ring = 2 * (world_size - 1) / world_size
+    first, second = len(shapes) + 1, 0
+    for shape in shapes:
+        r, rows = compressed(shape, rank), shape[0]
+        cols = torch.Size(shape).numel() // rows
+        first, second = (first + rows * r, second + cols * r) if r else (first + rows * cols, second)
+    return int(ring * first * 4) + int(ring * second * 4)
+
+
+def test_bytes_sent_drop_as_predicted(cluster):
+    """PowerSGD: each bucket's bytes are the documented formula's, the plan predicted them, and a bucket
+    with a compressed matrix sends less than on PS; BF16: over all ranks, exactly half of what the PS path
+    sent for the same buckets in step 0."""
+    P = cluster.world_size
+    powersgd = cluster.run(cw.given_run, LAYERS, "PowerSGD", 2, torch.float32, 0, {"rank": 2})
+    for result in powersgd:
+        for index, shapes in enumerate(LAYERS):
+            bucket = f"layers.{index}"
+            sent = result["bytes"][1][bucket]
+            assert sent == powersgd_bytes(list(shapes), 2, P), (bucket, sent)
+            predicted = result["predicted"][bucket]["PowerSGD"]
+            if any(compressed(shape, 2) for shape in shapes):
+                assert abs(predicted[0] - sent) <= 2, (bucket, predicted, sent)
+                assert sent < result["predicted"][bucket]["PS"][0] / 2, (bucket, sent)
+            else:
+                assert predicted is None  # nothing to compress: never chosen by cost
+    bf16 = cluster.run(cw.given_run, LAYERS, "BF16", 2, torch.float32)
+    for bucket in bf16[0]["bytes"][0]:
+        on_ps, on_bf16 = (sum(result["bytes"][step][bucket] for result in bf16) for step in (0, 1))
+        assert on_bf16 * 2 == on_ps, (bucket, on_ps, on_bf16)
+    total = sum(4 * (torch.Size(s).numel() + 1) for layer in LAYERS for s in layer) + 4 * len(LAYERS)
+    assert sum(result["by_path"][0]["PS"] for result in bf16) == 2 * (P - 1) * total
+
+
+# ---- composing with Pipe-SGD, resuming ------------------------------------------------------------------
+
+def test_powersgd_composes_with_pipe_sgd(cluster):
+    """delay=1: step t+1's .grad is bit for bit what BSP with PowerSGD gives at step t (the compression
+    runs on the sync's threads, one step later)."""
+    bsp = cluster.run(cw.given_run, LAYERS, "PowerSGD", STEPS, torch.float32, 0, settings_of("PowerSGD"))
+    piped = cluster.run(cw.given_run, LAYERS, "PowerSGD", STEPS + 1, torch.float32, 0, settings_of("PowerSGD"), 1)
+    for rank, (b, p) in enumerate(zip(bsp, piped)):
+        assert set(p["outcomes"][2].values()) == {"PowerSGD"} and p["state"]["paths"]["PowerSGD"]["q"]
+        for step in range(STEPS):
+            for name, grad in b["grads"][step].items():
+                assert torch.equal(p["grads"][step + 1][name], grad), (rank, step, name)
+
+
+SPEC = ModelSpec(conv_channels=(4,), widths=(24, 16), image=5)
+
+
+@pytest.mark.parametrize("path", ["PowerSGD", "BF16"])
+def test_a_resumed_run_continues_bit_for_bit(cluster, path):
+    """6 steps straight against 3, a checkpoint (model, optimizer, consistency state), a fresh wrapper
+    and 3 more: the same parameters on every rank, bit for bit; without the consistency state they
+    differ (the residuals and Q matter)."""
+    options = {"fusion_bytes": 0, "overrides": {layer.name: path for layer in find_layers(build(SPEC, 0))},
+               "compression": {path_class(path).option: {"start_iter": 1}}}
+    straight = cluster.run(cw.train, SPEC, options, 6, 3)
+    resumed = cluster.run(cw.train, SPEC, options, 6, 3, 3)
+    forgot = cluster.run(cw.train, SPEC, options, 6, 3, 3, False)
+    for rank, (a, b, c) in enumerate(zip(straight, resumed, forgot)):
+        assert set(b["outcomes"][3].values()) == {path}, b["outcomes"][3]  # the resumed engine's first pass
+        for name, value in a["params"][-1].items():
+            assert torch.equal(b["params"][-1][name], value), (rank, name)
+        assert any(not torch.equal(c["params"][-1][n], v) for n, v in a["params"][-1].items()), rank
+        for name, value in straight[0]["params"][-1].items():
+            assert torch.equal(a["params"][-1][name], value), (rank, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compression", ["powersgd", "bf16"])
+def test_training_is_deterministic_and_identical_on_every_rank(cluster, compression):
+    """Chosen by the coordinator (a slow link given, so it pays; the FC layers may stay on SFB, exact and
+    cheaper at 3 rows): the parameters after every step are the same on every rank, and the same in a
+    second run."""
+    spec = ModelSpec(conv_channels=(16,), widths=(24, 16), image=5)  # the conv kernel (16 x 27) compresses
+    options = {"compression": {compression: {"start_iter": 1}}, "link": LinkModel.from_gbps(0.01)}
+    runs = [cluster.run(cw.train, spec, options, 4, 3) for _ in range(2)]
+    assert any(compression.upper() in name.upper() for name in runs[0][0]["outcomes"][-1].values()), \
+        runs[0][0]["outcomes"][-1]
+    for step in range(4):
+        reference = runs[0][0]["params"][step]
+        for run in runs:
+            for rank, result in enumerate(run):
+                for name, value in reference.items():
+                    assert torch.equal(result["params"][step][name], value), (rank, step, name)
+
+
+# ---- the coordinator ----------------------------------------------------------------------------------
+
+def plan_of(layers: list[Layer], world_size: int, link: LinkModel, lossy: tuple[str, ...], passes: int = 2):
+    """The coordinator's plan after ``passes`` clean passes, every layer alone in a bucket (learned)."""
+    compression = compression_option({name: {"start_iter": 1} for name in lossy} or None)
+    paths = Paths.build(PathEnv(0, world_size, 2 << 20, torch.device("cpu"), settings=compression))
+    coordinator = Coordinator({}, world_size, link, 50e9, paths=paths, layers=layers, lossy=tuple(compression),
+                              memory_bps=10e9)
+    buckets = build_buckets([[layer] for layer in layers], False, lambda layer: None)
+    coordinator.buckets_changed({layer.name for layer in layers}, learned=True)
+    for _ in range(passes):
+        coordinator.observe(torch.zeros(world_size, 1 + 2 * len(buckets), dtype=torch.int64), len(buckets))
+    return coordinator.plan(buckets)
+
+
+def model_of(shapes: cw.Layers) -> list[Layer]:
+    return find_layers(cw.Given(shapes, torch.float32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=layer_shapes, world_size=st.integers(2, 16), gbps=st.sampled_from([0.001, 0.1, 1.0, 10.0, 1000.0]),
+       lossy=st.sampled_from([(), ("powersgd",), ("bf16",), ("powersgd", "fp16")]))
+def test_the_coordinator_picks_a_lossy_path_only_when_asked_and_predicted_faster(layers, world_size, gbps, lossy):
+    plan = plan_of(model_of(layers), world_size, LinkModel.from_gbps(gbps, 10.0), lossy)
+    allowed = {path: path_class(path).option for path in ("PowerSGD", "BF16", "FP16")}
+    for row in plan.rows:
+        shown_lossy = {path for path in row.predictions if path in allowed}
+        assert shown_lossy <= {path for path, option in allowed.items() if option in lossy}, row
+        if row.path == "PS":
+            continue
+        assert allowed[row.path] in lossy, row  # never a lossy path unless asked
+        chosen = row.predictions[row.path][1]
+        assert chosen < row.predictions["PS"][1], row  # never one its model predicts slower
+        assert all(p is None or chosen <= p[1] for p in row.predictions.values()), row
+
+
+def test_the_coordinator_compresses_where_it_pays_and_not_elsewhere():
+    """A 1024 x 1024 layer over 0.1 Gbit/s goes on PowerSGD; over an ideal link (no latency, 10 Tbit/s)
+    it stays exact; the vector layer stays exact either way; without compression= nothing is lossy."""
+    layers = model_of((((1024, 1024),), ((64,),)))
+    slow = plan_of(layers, 4, LinkModel.from_gbps(0.1), ("powersgd",)).layer_paths()
+    assert slow == {"layers.0": "PowerSGD", "layers.1": "PS"}, slow
+    fast = plan_of(layers, 4, LinkModel.from_gbps(10000.0), ("powersgd",)).layer_paths()
+    assert fast == {"layers.0": "PS", "layers.1": "PS"}, fast
+    assert set(plan_of(layers, 4, LinkModel.from_gbps(0.1), ()).layer_paths().values()) == {"PS"}
+
+
+def test_a_lossy_path_waits_for_its_start_iter():
+    layers = model_of((((1024, 1024),),))
+    compression = compression_option({"powersgd": {"start_iter": 3}})
+    paths = Paths.build(PathEnv(0, 2, 2 << 20, torch.device("cpu"), settings=compression))
+    coordinator = Coordinator({}, 2, LinkModel.from_gbps(0.1), 50e9, paths=paths, layers=layers,
+                              lossy=tuple(compression), memory_bps=10e9)
+    coordinator.buckets_changed({"layers.0"}, learned=True)
+    seen = []
+    for _ in range(4):
+        coordinator.observe(torch.zeros(2, 3, dtype=torch.int64), 1)
+        seen.append(dict(coordinator.chosen))
+        assert coordinator.wanted_solo() == {"layers.0"}  # kept alone while it waits
+    assert seen == [{}, {}, {"layers.0": "PowerSGD"}, {"layers.0": "PowerSGD"}], seen
+
+
+# ---- the option ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, error", [
+    ("zip", "ValueError: PoseidonDDP option compression names 'zip'"),
+    ({"powersgd": {"rnak": 2}}, "unknown setting(s) ['rnak']"),
+    ({"powersgd": {"rank": 0}}, "'rank' must be at least 1"),
+    (3, "TypeError: PoseidonDDP option compression must be"),
+])
+def test_bad_compression_values_are_refused_on_every_rank(cluster, value, error):
+    for message in cluster.run(cw.construct, {"compression": value}):
+        assert error in message, message
+
+
+def test_compression_needs_hybrid_and_refuses_a_server_optimizer(cluster):
+    for message in cluster.run(cw.construct, {"compression": "bf16", "hybrid": False}):
+        assert "compression= chooses paths per layer, which needs hybrid=True" in message, message
+    for message in cluster.run(cw.construct, {"compression": "powersgd"}, True):
+        assert message.startswith("NotImplementedError") and "compressed pushes" in message, message
+    for message in cluster.run(cw.construct, {"compression": {"powersgd": {"rank": 2}}}):
+        assert message == ""
