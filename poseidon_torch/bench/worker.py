@@ -20,7 +20,10 @@ torch refuses that overlap on gloo, pytorch#62300, so on gloo ZeRO steps after b
 ``poseidon-server-lazy-priority`` (lazy pulls, those still running at the end of backward input side
 first: ``POSEIDON_PULL_PRIORITY=1``, to measure what the priority gives). The baselines of a slow network
 (:mod:`~poseidon_torch.bench.baselines`): ``torch-ddp-powersgd``, ``torch-ddp-localsgd`` and ``one-host``
-(a world of one rank, the runner starts it alone).
+(a world of one rank, the runner starts it alone). The compressed modes: ``poseidon-powersgd`` (PoseidonDDP
+hybrid with ``compression={"powersgd": ...}`` at the baseline's ``--powersgd-rank`` and
+``--powersgd-start-iter``, so it is compared with ``torch-ddp-powersgd`` at the same settings),
+``poseidon-powersgd-delay1`` (the same with ``delay=1``) and ``poseidon-bf16`` (``compression="bf16"``).
 All modes use gloo, initialised from the env variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
 Invariants:
@@ -71,11 +74,14 @@ from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, placed, p
 STALE_MODES = {"poseidon-ssp1": 1, "poseidon-ssp3": 3, "poseidon-async": None}
 SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-priority", *STALE_MODES)
 #: Pipe-SGD: the default mode (hybrid) with ``delay=k``
-DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2, "poseidon-ps-delay1": 1}
+DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2, "poseidon-ps-delay1": 1, "poseidon-powersgd-delay1": 1}
+#: the lossy path each compressed mode names (``compression=``)
+COMPRESSION_MODES = {"poseidon-powersgd": "powersgd", "poseidon-powersgd-delay1": "powersgd", "poseidon-bf16": "bf16"}
 PS_ONLY_MODES = ("poseidon-ps", "poseidon-ps-python", "poseidon-ps-delay1")  #: every layer on the PS path
-POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES, *DELAY_MODES)
+POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES, *DELAY_MODES,
+                  *COMPRESSION_MODES)
 MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero", *SERVER_MODES,
-         *DELAY_MODES, *BASELINE_MODES)
+         *(mode for mode in DELAY_MODES if mode not in COMPRESSION_MODES), *BASELINE_MODES, *COMPRESSION_MODES)
 DEFAULT_MODES = MODES[:4]
 #: modes whose ranks never communicate while they train
 ALONE_MODES = ("compute-only", ONE_HOST)
@@ -124,7 +130,16 @@ def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None,
     if mode == "poseidon-server-lazy-priority":
         os.environ["POSEIDON_PULL_PRIORITY"] = "1"
     return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=timeout, trace_dir=trace_dir,
-                                      engine=engine, delay=DELAY_MODES.get(mode, 0))
+                                      engine=engine, delay=DELAY_MODES.get(mode, 0),
+                                      compression=compression_for(mode, baselines))
+
+
+def compression_for(mode: str, baselines: Baselines) -> dict | None:
+    """``compression=`` of a compressed mode (None otherwise): PowerSGD at the torch baseline's settings."""
+    option = COMPRESSION_MODES.get(mode)
+    if option == "powersgd":
+        return {option: {"rank": baselines.powersgd_rank, "start_iter": max(1, baselines.powersgd_start_iter)}}
+    return None if option is None else {option: None}
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
