@@ -148,3 +148,25 @@ def construct(rank: int, world_size: int, options: dict, server: bool = False) -
         if wrapped is not None:
             wrapped.close()
     return ""
+
+
+def late_gradient(rank: int, world_size: int, path: str) -> dict:
+    """``patterns.SharedInCheckpoint`` with ``path`` forced on its shared layer, whose gradient arrives
+    after its bucket's sync in every step (the bucket is then averaged again, exactly, on the default
+    path): per step the gradients against the hand average, whether a gradient came late, each layer's
+    planned path (an outcome shows the last job: the default path's), and the consistency state at the end."""
+    from patterns import SharedInCheckpoint, data, run_steps, wrap
+
+    settings = {"start_iter": 1, "rank": 1} if path == "PowerSGD" else {"start_iter": 1}  # rank 1 compresses 8 x 8
+    model = wrap(SharedInCheckpoint(), fusion_bytes=0, overrides={"shared": path},
+                 compression={path_class(path).option: settings})
+
+    def step(m, module, i):
+        x, y = data(i, rank, n_in=6)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+
+    results = run_steps(model, 4, step, rank)
+    out = {"steps": results, "late": model.comm_stats.jobs_last_iteration > len(model.bucket_names),
+           "planned": model.plan.layer_paths(), "state": model.consistency_state_dict()}
+    model.close()
+    return out

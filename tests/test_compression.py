@@ -199,6 +199,22 @@ def test_fp16_saturates_instead_of_overflowing(cluster):
         assert result["state"]["paths"]["FP16"]["residual"]["layers.0.p0"].abs().max() > 1e5
 
 
+@pytest.mark.parametrize("path", ["PowerSGD", "BF16"])
+def test_a_late_gradient_is_averaged_exactly_and_leaves_no_residual(cluster, path):
+    """The shared layer's bucket syncs on the lossy path, then more gradient arrives: the bucket is
+    averaged again, whole and exactly, and the lossy sync's residual is dropped with its average (kept,
+    it would be sent later although nothing was left out)."""
+    from test_patterns import assert_exact
+
+    results = cluster.run(cw.late_gradient, path)
+    assert all(r["late"] for r in results)  # the case under test really happened
+    assert all(r["planned"]["shared"] == path for r in results), [r["planned"] for r in results]
+    assert_exact(results)
+    for r in results:
+        kept = r["state"].get("paths", {}).get(path, {}).get("residual", {})
+        assert not any(name.startswith("shared.") for name in kept), sorted(kept)
+
+
 # ---- bytes ----------------------------------------------------------------------------------------------
 
 def powersgd_bytes(shapes: list[tuple[int, ...]], rank: int, world_size: int) -> int:
