@@ -137,11 +137,19 @@ class PowerSGDPath(LossyPath):
     # ---- the buckets ------------------------------------------------------------------------------
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
-        """Each bucket's message buffers; every compressed parameter keeps its Q (a new one draws it)."""
+        """Forget the old buckets' message buffers (a bucket's are made at its first sync on this path, so
+        a wrapper that never uses the path holds none); every parameter keeps its Q."""
         super().prepare(buckets)
-        self._plans = {id(b): self._plan(b) for b in buckets}
+        self._plans = {}
+
+    def _plan_of(self, bucket: Bucket) -> Plan:
+        plan = self._plans.get(id(bucket))
+        if plan is None:
+            plan = self._plans[id(bucket)] = self._plan(bucket)
+        return plan
 
     def _plan(self, bucket: Bucket) -> Plan:
+        """The bucket's message buffers, each compressed parameter's Q in them: its last one, or a new draw."""
         dtype = self.compute_dtype(bucket.dtype)
         shapes = [(j, name, p, compressed_rank(p.shape, self.rank_setting, self.min_rate))
                   for j, (name, p) in enumerate(zip(bucket.param_names, bucket.params))]
@@ -171,7 +179,7 @@ class PowerSGDPath(LossyPath):
     # ---- the sync -------------------------------------------------------------------------------
 
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, bool]:
-        plan, size = self._plans[id(bucket)], groups.size
+        plan, size = self._plan_of(bucket), groups.size
         grads = [view for _, view in bucket.views()]
         yield "compress"
         everything = dict(enumerate(v for _, v in bucket.views(self.with_residuals(bucket, ctx))))
@@ -220,10 +228,15 @@ class PowerSGDPath(LossyPath):
         return {**state, "q": q} if q else state
 
     def load_state_dict(self, state: dict) -> None:
-        shapes = {name: tuple(self._q[id(p)].shape) for name, p in self._params.items() if id(p) in self._q}
+        shapes = {}
+        for name, p in self._params.items():
+            r = compressed_rank(p.shape, self.rank_setting, self.min_rate)
+            if r:
+                shapes[name] = (matrix_shape(p.shape)[1], r)
         qs = self.checked_tensors(state, "q", shapes)
         super().load_state_dict(state)
+        self._plans = {}  # made again at their next sync, from the restored Q
         for name, q in qs.items():
-            self._q[id(self._params[name])].copy_(q)
+            self._q[id(self._params[name])] = q
         self._warm = {id(self._params[name]) for name in qs}
 

@@ -36,7 +36,7 @@ from ..link import LinkModel
 from ..pools import ChannelGroups
 from .base import BucketCost, PathEnv, Prediction, SyncContext
 from .lossy import LossyPath
-from .ps import Schedule, build_schedule, plan_chunks, predict_ps, run_messages
+from .ps import Chunk, Schedule, build_schedule, plan_chunks, predict_ps, run_messages
 
 #: bytes of memory traffic per element of a sync, besides the wire's own bytes (see the module docstring)
 _PASSES_PER_ELEMENT = 8
@@ -57,7 +57,8 @@ class CastPath(LossyPath):
 
     def __init__(self, env: PathEnv) -> None:
         super().__init__(env)
-        self._wires: dict[int, Wire] = {}
+        self._chunks: dict[int, list[Chunk]] = {}  #: id(bucket) -> its wire buffer's chunks
+        self._wires: dict[int, Wire] = {}  #: id(bucket) -> its wire buffer, from its first sync on
 
     def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
                 memory_bps: float | None = None) -> Prediction | None:
@@ -71,18 +72,25 @@ class CastPath(LossyPath):
         return Prediction(sent, seconds + compute_s, compute_s)
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
-        """Each bucket's wire buffer, cut into chunks of at most ``chunk_bytes`` of the wire dtype."""
+        """Plan the chunks of every bucket's wire buffer (at most ``chunk_bytes`` of the wire dtype each,
+        dealt as the PS path deals its own); the buffers are made at a bucket's first sync on this path,
+        so a wrapper that never uses the path holds none."""
         super().prepare(buckets)
         sizes = [self.wire_dtype.itemsize] * len(buckets)
         plan = plan_chunks([b.flat.numel() for b in buckets], sizes, self.world_size, self.env.chunk_bytes)
+        self._chunks = {id(bucket): chunks for bucket, chunks in zip(buckets, plan)}
         self._wires = {}
-        for bucket, chunks in zip(buckets, plan):
+
+    def _wire_of(self, bucket: Bucket) -> Wire:
+        wire = self._wires.get(id(bucket))
+        if wire is None:
             buffer = torch.zeros(bucket.flat.numel(), dtype=self.wire_dtype, device=bucket.flat.device)
-            self._wires[id(bucket)] = Wire(buffer, build_schedule(buffer, bucket.grad_numel, chunks, self.rank,
-                                                                  self.world_size))
+            schedule = build_schedule(buffer, bucket.grad_numel, self._chunks[id(bucket)], self.rank, self.world_size)
+            wire = self._wires[id(bucket)] = Wire(buffer, schedule)
+        return wire
 
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, bool]:
-        wire, size = self._wires[id(bucket)], groups.size
+        wire, size = self._wire_of(bucket), groups.size
         yield "compress"
         m = self.with_residuals(bucket, ctx)
         gradients = wire.buffer[:bucket.grad_numel]
