@@ -165,6 +165,18 @@ class Bucket:
                 if p.grad is not None:
                     flags[j] = USED
 
+    def stage_values(self, values: Sequence[torch.Tensor]) -> None:
+        """Copy ``values`` (one per parameter, in order: what a mode averages instead of gradients, e.g.
+        the parameters themselves) into the flat buffer, every parameter flagged used, none aborted."""
+        if self.uploaded_event is not None:  # the last averages must have left the host buffer first
+            self.uploaded_event.synchronize()
+        for (_, piece), value in zip(self.views(), values):
+            piece.copy_(value, non_blocking=True)
+        self.flat[self.grad_numel:-1] = USED
+        self.flat[-1] = 0.0
+        if self.staged_event is not None:
+            self.staged_event.record(torch.cuda.current_stream(self.device))
+
     def fill_missing(self) -> None:
         """The zeros :meth:`stage` deferred (any thread: only the flat buffer is touched)."""
         for j in self.missing:

@@ -29,7 +29,10 @@ at the state machine's fixed points. The engine names no path and no mode.
   for the facts: they are read when the pass drains, and a pass in which some ranks, not all, raised (or
   got a late gradient) ends the engine there, on every rank, with the mode's ``SyncError`` naming them;
 - a mode that is not ``lockstep`` runs every rank on its own clock: a pass knows only its own facts (no
-  exchange) and the buckets are fused once, when the engine starts.
+  exchange) and the buckets are fused once, when the engine starts;
+- a mode that does not sync gradients opens no pass in any backward (every one is local); it runs a
+  pass over every bucket where it chooses, outside any backward (:meth:`Engine.sync_now`, collective),
+  its jobs staging what it sends.
 """
 from __future__ import annotations
 
@@ -255,8 +258,7 @@ class Engine:
             raise RuntimeError("PoseidonDDP's forward ran inside a backward pass (activation checkpointing around "
                                "the whole wrapper?); checkpoint blocks of the inner module instead")
         self.finish_aborted_pass()
-        if self.failure is not None:
-            raise SyncError(f"PoseidonDDP cannot continue after a failed sync: {self.failure}") from self.failure
+        self._refuse_if_failed()
         if torch.is_grad_enabled():
             self._latest_forward_synced = synced
         self.mode.before_forward()
@@ -632,9 +634,24 @@ class Engine:
     def shadow_pass(self) -> None:
         """Take part in a pass of the other ranks with nothing to contribute (a joined rank); it is an
         iteration of theirs, so the tracer counts it (its window closes, with a gather, where theirs does)."""
+        self._pass_now(shadow=True)
+
+    def sync_now(self) -> None:
+        """A synced pass over every bucket now, outside any backward (collective: every rank calls it at
+        the same point of its training): each bucket's job stages what the mode sends (``Mode.job``), and
+        the mode's writer takes the averages when the pass closes (a periodic mode's outer sync)."""
+        self._refuse_if_failed()
+        self._pass_now(shadow=False)
+
+    def _refuse_if_failed(self) -> None:
+        if self.failure is not None:
+            raise SyncError(f"PoseidonDDP cannot continue after a failed sync: {self.failure}") from self.failure
+
+    def _pass_now(self, shadow: bool) -> None:
+        """Open a pass with every bucket ready and finish it: the tracer counts it as an iteration."""
         self.finish_aborted_pass()
         with self._lock:
-            p = self._open(Round(self.recorder.start_iteration()), -1, queue_end=False, shadow=True)
+            p = self._open(Round(self.recorder.start_iteration()), -1, queue_end=False, shadow=shadow)
         self._finish(p)
 
     # ---- sync jobs (channel threads) --------------------------------------------------------------

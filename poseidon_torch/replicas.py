@@ -4,6 +4,7 @@ Invariants:
 - ``check_same_model`` raises the same :class:`ModelMismatchError` on every rank (all ranks see every
   rank's signature), so a mismatch never leaves one rank waiting in a collective;
 - ``broadcast_from`` overwrites the given tensors with one rank's values, one collective per dtype;
+  ``average_into`` with their average over the ranks (a periodic mode's buffers);
   ``BroadcastInFlight`` sends the values they have when it starts and never writes the sender's.
 """
 from __future__ import annotations
@@ -54,6 +55,17 @@ def broadcast_from(tensors: Iterable[torch.Tensor], data: Collectives, staged: b
     ``staged`` sends device tensors through host memory."""
     tensors = list(tensors)
     BroadcastInFlight(tensors, data, staged, src).land(tensors)
+
+
+def average_into(tensors: Sequence[torch.Tensor], collectives: Collectives) -> None:
+    """Replace ``tensors`` by their average over the ranks, summed on the host (half precision in fp32), one
+    collective per dtype and device: every rank ends with the same values."""
+    with torch.no_grad():
+        for kind_tensors in _by_kind(tensors).values():
+            wide = torch.float32 if kind_tensors[0].element_size() < 4 else kind_tensors[0].dtype
+            flat = torch.cat([t.detach().reshape(-1).to("cpu", wide) for t in kind_tensors])
+            collectives.all_reduce(flat)
+            _unflatten_into(kind_tensors, flat.div_(collectives.size))
 
 
 class BroadcastInFlight:

@@ -21,6 +21,8 @@ asks which mode it runs. The points, in the order a step meets them:
   averaged again, :meth:`Mode.backward_returned` what ``.grad`` holds once ``backward()`` returns,
   :meth:`Mode.pass_closed` what the pass's facts change;
 - after the optimizer step: :meth:`Mode.after_step` (``ServerOptimizer.step``);
+- a mode that does not sync gradients (``syncs_gradients`` False) runs its own passes where it chooses,
+  outside any backward (:meth:`Engine.sync_now`): the same points then follow in the same order;
 - what it supports: the class attributes below, and :meth:`Mode.refuse_join`;
 - what a checkpoint must carry: :meth:`Mode.state_dict` / :meth:`Mode.load_state_dict`;
 - for the tracer, a timeout's message and the simulator: :meth:`Mode.trace_args`, :meth:`Mode.diagnosis`,
@@ -42,7 +44,7 @@ from ..coordinator import Coordinator, PassFacts
 from ..paths import GradWriter, Job, Path, Paths
 from ..pools import ChannelGroups, Collectives
 from ..trace import Recorder
-from .state import check_delay
+from .state import check_delay, check_no_entries
 
 #: Before the first backward, neighbouring layers are fused up to this size (then rebuilt from the measured
 #: order and timings, in a lockstep mode).
@@ -81,6 +83,10 @@ class Engine(Protocol):
 
     def finish_aborted_pass(self) -> None: ...
 
+    def sync_now(self) -> None:
+        """A pass over every bucket now, outside any backward (collective): :meth:`Mode.job` stages what
+        is sent, :meth:`Mode.writer` takes the averages."""
+
     def backward_raised(self) -> bool: ...
 
 
@@ -106,6 +112,9 @@ class Mode:
     first_fusion_bytes: ClassVar[int] = INITIAL_FUSION_BYTES
     #: what makes a synced backward return before its sync is done, in error messages
     deferral: str = ""
+    #: a backward syncs its gradients (False: every backward is local, no pass opens; the mode syncs at
+    #: points of its own through :meth:`Engine.sync_now`, and the wrapper's option ``hybrid`` has no use)
+    syncs_gradients: ClassVar[bool] = True
 
     # ---- the engine starts ------------------------------------------------------------------------
 
@@ -205,6 +214,7 @@ class Mode:
 
     def load_state_dict(self, state: dict, params: dict[str, nn.Parameter]) -> None:
         check_delay(state, 0)
+        check_no_entries(state, self.name)
 
     def trace_args(self) -> dict:
         """What the tracer's span of the iteration that closes now carries about consistency."""

@@ -6,7 +6,16 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 #: what each pipelined mode's state holds its entries under, and the mode's name
-ENTRIES = {"in_flight": "PoseidonDDP(delay=k) (averaged gradients)", "held": "ServerOptimizer(delay=k) (values)"}
+ENTRIES = {"in_flight": "PoseidonDDP(delay=k) (averaged gradients)", "held": "ServerOptimizer(delay=k) (values)",
+           "periodic": "PoseidonDDP(sync_every=H) (the round's state)"}
+
+
+def check_no_entries(state: dict, mode: str) -> None:
+    """A mode that keeps nothing refuses a state that holds another mode's entries (it would drop them)."""
+    saved = [ENTRIES[key] for key in ENTRIES if key in state]
+    if saved:
+        raise ValueError(f"the consistency state was saved by {saved[0]}; this model runs {mode!r}, which would drop "
+                         "it: resume with the options it was saved with")
 
 
 def check_delay(state: object, delay: int) -> None:
