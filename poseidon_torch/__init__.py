@@ -5,8 +5,9 @@ Module map (one per concept of the paper):
   starts the engine with the mode resolved once;
 - ``engine``: wait-free backprop: hooks -> ready -> channel -> a bucket's job -> barrier, and the
   per-iteration state machine; it names no mode and no path;
-- ``modes/``: the consistency models, one module each (``bsp``, ``pipe_sgd``, ``server``, ``ssp``), the
-  named points the engine calls (``base``) and the one place a wrapper's mode is chosen (``resolve``);
+- ``modes/``: the consistency models, one module each (``bsp``, ``pipe_sgd``, ``server``, ``ssp``,
+  ``periodic``: local SGD and DiLoCo), the named points the engine calls (``base``) and the one place a
+  wrapper's mode is chosen (``resolve``);
 - ``paths/``: the ways a bucket's gradient moves, one module each (``ps``: the sharded parameter-server
   path, the default; ``sfb``: sufficient-factor broadcasting), their registry, and ``update``: the
   parameter-server update composed with any path;
@@ -31,6 +32,7 @@ from .link import LinkModel
 from .replicas import ModelMismatchError
 from .optimizer import ServerOptimizer
 from .fc import register_fc
+from .modes import DILOCO_OUTER
 
 __all__ = ["PoseidonDDP", "ServerOptimizer", "register_fc", "LinkModel", "Plan", "SyncError", "SyncTimeout",
-           "ModelMismatchError", "CommStats"]
+           "ModelMismatchError", "CommStats", "DILOCO_OUTER"]

@@ -51,7 +51,8 @@ from .engine import Engine
 from .env import option
 from .fc import fc_eligible, fc_spec
 from .link import LinkModel, default_link, probe_gemm_flops, probe_link, probe_memory_bandwidth
-from .modes import ServerRequest, check_request, delay_option, resolve, sync_nice
+from .modes import PeriodicOptions, ServerRequest, check_periodic, check_request, delay_option, periodic_option, \
+    resolve, sync_nice
 from .paths import compression_option
 from .paths import names as path_names
 from .paths.ps import DEFAULT_CHUNK_BYTES
@@ -139,6 +140,7 @@ class Options:
     delay: int = 0
     #: the lossy paths ``compression=`` names, each with its settings: ((path name, ((setting, value), ...)), ...)
     compression: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    periodic: PeriodicOptions | None = None  #: sync_every and outer, checked (None: every step syncs)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -152,11 +154,21 @@ class Options:
         if self.compression and not self.hybrid:
             raise ValueError("compression= chooses paths per layer, which needs hybrid=True (hybrid=False sends every "
                              "layer through the PS path, exactly)")
+        if self.compression and self.periodic is not None:
+            raise ValueError(f"compression= with sync_every={self.periodic.sync_every} is not supported: the periodic "
+                             "sync averages parameters (or DiLoCo's pseudo-gradients), which the lossy paths' error "
+                             "feedback is not built for; drop one of them")
+        check_periodic(self.periodic, self.delay, dict(self.overrides))
 
     @property
     def compression_settings(self) -> dict[str, dict[str, Any]]:
         """Per lossy path's name, its settings (what the engine's paths are built with)."""
         return {path: dict(settings) for path, settings in self.compression}
+
+    @property
+    def factor_paths(self) -> bool:
+        """Whether FC layers may sync gradients from their factors: ``hybrid``, unless no gradient is synced."""
+        return self.hybrid and self.periodic is None
 
     def _check_types(self) -> None:
         """Every rank checks its own options before any collective, so a bad value fails everywhere
@@ -221,6 +233,14 @@ class PoseidonDDP(nn.Module, Joinable):
             error feedback), a list of them, or a dict of each with its settings, e.g.
             ``{"powersgd": {"rank": 8, "start_iter": 100}}``. They change the arithmetic: the averages are
             approximations whose errors are fed back into later steps.
+        sync_every: periodic averaging (default None: every synced backward averages the gradients). With
+            H >= 1 every backward is local and the user's optimizer steps each rank on its own gradients;
+            right after every H-th ``step()`` of it the ranks sync: local SGD, or DiLoCo with ``outer``.
+            See ``modes/periodic.py`` and docs/periodic.md.
+        outer: with ``sync_every``, DiLoCo's outer optimizer: a class and its arguments, e.g.
+            ``poseidon_torch.DILOCO_OUTER`` (Nesterov SGD, lr 0.7, momentum 0.9), or a
+            ``functools.partial`` of a class; it steps the round's start parameters with the averaged
+            pseudo-gradient (start minus end). None (default): local SGD, the parameters averaged.
     """
 
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
@@ -237,7 +257,8 @@ class PoseidonDDP(nn.Module, Joinable):
                  plan: Plan | Mapping[str, str] | str | os.PathLike | None = None, link: LinkModel | None = None,
                  trace_dir: str | None = None, trace_skip: int | None = None, trace_iters: int | None = None,
                  engine: str | None = None, delay: int = 0,
-                 compression: str | Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None = None) -> None:
+                 compression: str | Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None = None,
+                 sync_every: int | None = None, outer: Any = None) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
         if not dist.is_initialized():
@@ -259,6 +280,7 @@ class PoseidonDDP(nn.Module, Joinable):
         if fusion_bytes is not None and ddp.fusion_bytes is not None:
             raise ValueError("pass either fusion_bytes or bucket_cap_mb (torch DDP's name for it), not both")
         fusion_bytes = fusion_bytes if ddp.fusion_bytes is None else ddp.fusion_bytes
+        periodic = periodic_option(sync_every, outer, ddp.buffers_follow_rank0, module.parameters())
         self.options = Options(
             chunk_bytes=option(chunk_bytes, "CHUNK_BYTES", int, DEFAULT_CHUNK_BYTES),
             fusion_bytes=option(fusion_bytes, "FUSION_BYTES", int, DEFAULT_FUSION_BYTES),
@@ -269,7 +291,8 @@ class PoseidonDDP(nn.Module, Joinable):
             trace=TraceConfig.resolve(trace_dir, trace_skip, trace_iters),
             engine=option(engine, "ENGINE", str, "native"), delay=delay,
             compression=tuple((path, tuple(sorted(settings.items())))
-                              for path, settings in compression_option(compression).items()))
+                              for path, settings in compression_option(compression).items()),
+            periodic=periodic)
         self._group = ddp.group or dist.group.WORLD
         self._group_ranks = dist.get_process_group_ranks(self._group)
         if dist.get_rank() not in self._group_ranks:
@@ -324,8 +347,9 @@ class PoseidonDDP(nn.Module, Joinable):
         options = self.options
         self._engine = Engine(self.module, groups=self._groups, chunk_bytes=options.chunk_bytes,
                               fusion_bytes=options.fusion_bytes, timeout=options.timeout, staged=self._staged,
-                              recorder=self.recorder, hybrid=options.hybrid, link=self._link, gemm_flops=self._gemm,
-                              overrides=self._overrides, native=self._native, mode=resolve(options.delay, self._request),
+                              recorder=self.recorder, hybrid=options.factor_paths, link=self._link,
+                              gemm_flops=self._gemm, overrides=self._overrides, native=self._native,
+                              mode=resolve(options.delay, self._request, options.periodic),
                               memory_bps=self._memory, compression=options.compression_settings)
         self._open.engine = self._engine
         return self._engine
@@ -362,7 +386,7 @@ class PoseidonDDP(nn.Module, Joinable):
         GEMM rate is None otherwise), the memory bandwidth only in the latter case; otherwise the buckets'
         own first sync jobs are the measurement."""
         options = self.options
-        fc = options.hybrid and any(fc_spec(m) for m in self.module.modules())
+        fc = options.factor_paths and any(fc_spec(m) for m in self.module.modules())
         if self.world_size == 1 or not (fc or options.compression):
             return options.link or default_link("not probed: no layer can take SFB"), None, None
         wire = "cpu" if self._staged else device
@@ -445,6 +469,7 @@ class PoseidonDDP(nn.Module, Joinable):
         engine = self._engine
         if engine is None:
             return None
+        synced = synced and engine.mode.syncs_gradients  # a periodic mode's backwards are local
         step = _Forward(engine, synced, time.monotonic_ns(), splitting_compiled_graphs(self._split))
         engine.begin_forward(synced)
         try:
@@ -547,7 +572,7 @@ class PoseidonDDP(nn.Module, Joinable):
                                   if other[key] != value)
             if differing:
                 raise ValueError(f"ServerOptimizer differs between rank 0 and rank {rank}: {differing}")
-        check_request(self.options.delay, dict(self.options.overrides),
+        check_request(self.options.delay, self.options.periodic, dict(self.options.overrides),
                       {p.device.type for p in self.module.parameters()}, request, self.options.compression_settings)
         self._request = request
 
@@ -559,9 +584,10 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def consistency_state_dict(self) -> dict:
         """What a checkpoint must carry besides the model and the optimizer to resume the same
-        trajectory: with ``delay=k``, the averaged gradients still in flight; with a lossy path
-        (``compression=``), its error-feedback residuals (and PowerSGD's warm-start Q) under ``"paths"``
-        and the coordinator's passes and lossy layers under ``"coordinator"``. Collective (call it on
+        trajectory: with ``delay=k``, the averaged gradients still in flight; with ``sync_every``, the steps
+        taken and DiLoCo's outer optimizer state and round start; with a lossy path (``compression=``), its
+        error-feedback residuals (and PowerSGD's warm-start Q) under ``"paths"`` and the coordinator's passes
+        and lossy layers under ``"coordinator"``. Collective (call it on
         every rank, as ``ZeroRedundancyOptimizer.consolidate_state_dict``): it waits for the last sync."""
         engine = self._started_engine("consistency_state_dict()")
         engine.settle()

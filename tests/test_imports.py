@@ -11,7 +11,7 @@ from pathlib import Path
 from poseidon_torch import paths
 
 PACKAGE = Path(__file__).resolve().parents[1] / "poseidon_torch"
-MODE_CLASSES = {"Mode", "BSP", "PipeSGD", "ServerMode", "PipeServer", "SSP"}
+MODE_CLASSES = {"Mode", "BSP", "PipeSGD", "ServerMode", "PipeServer", "SSP", "Periodic", "LocalSGD", "DiLoCo"}
 
 
 def _module_name(path: Path) -> str:

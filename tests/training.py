@@ -9,7 +9,8 @@ Every rank trains on its shard of the step's batch; the single-process reference
 - :func:`bsp`: BSP, the default mode and the server modes without delay (what torch DDP computes);
 - :func:`pipe_sgd`: Pipe-SGD on gradients, w_{t+1} = opt(w_t, g(w_{t-k})), no update for the first k steps;
 - :func:`server_pipe_sgd`: Pipe-SGD on the servers, the gradient of batch t at the values of step
-  max(t-k, 0) applied at once to the newest values.
+  max(t-k, 0) applied at once to the newest values;
+- :func:`periodic`: local SGD and DiLoCo, one replica per rank, each on its own shard.
 (SSP and asynchronous SGD are held to their bound by the ledger model of ``stale_workers``.)
 """
 from __future__ import annotations
@@ -49,6 +50,7 @@ class LARS(torch.optim.SGD):
 
 #: the tests' optimizers by name: the class and its arguments
 OPTIMIZERS = {
+    "plain-sgd": (torch.optim.SGD, dict(lr=0.05)),
     "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
     "nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
     "adam": (torch.optim.Adam, dict(lr=0.01, weight_decay=0.001)),
@@ -149,7 +151,8 @@ def train(rank: int, world_size: int, spec: ModelSpec, run: Run, steps: int, siz
     poseidon = isinstance(wrapped, PoseidonDDP)
     opt = make_optimizer(wrapped, model, run)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if run.schedule else None
-    out: dict = {"paths": [], "sent": [], "grads": [], "read": [], "plans": [], "norms": [], "errors": [],
+    out: dict = {"paths": [], "sent": [], "total_sent": [], "grads": [], "read": [], "plans": [], "norms": [],
+                 "errors": [],
                  "params": [name for name, _ in model.named_parameters()]}
     for step in range(steps):
         if run.zero_grad == "before":
@@ -183,6 +186,7 @@ def train(rank: int, world_size: int, spec: ModelSpec, run: Run, steps: int, siz
         if poseidon:
             out["paths"].append(dict(wrapped.comm_stats.outcome_by_bucket))
             out["sent"].append(dict(wrapped.comm_stats.bytes_by_path))
+            out["total_sent"].append(wrapped.comm_stats.bytes_sent_total)
             out["plans"].append(wrapped.engine.plan)
         if run.clip is not None and run.wrapper == "server":  # right after step(), where loops log it
             out["norms"].append(opt.last_grad_norm)
@@ -295,3 +299,71 @@ def server_pipe_sgd(spec: ModelSpec, delay: int, steps: int, size: int, world_si
     return {"params": {n: history[max(steps - delay, 0)][n] for n in names},
             "newest": {n: history[steps][n] for n in names},
             "read": [{n: history[max(t - delay, 0)][n] for n in names} for t in range(steps)]}
+
+
+def periodic(spec: ModelSpec, sync_every: int, outer: tuple | None, steps: int, size: int, world_size: int,
+             optimizer: str = "sgd", skip: int | None = None, average_buffers: bool = True) -> dict:
+    """Local SGD (``outer`` None) or DiLoCo (``outer``: the outer optimizer's class and arguments) in one
+    process: one replica per rank, each stepping its own inner optimizer on its shard of every batch. After
+    every ``sync_every``-th step taken (a ``skip``ped step is none), local SGD averages the parameters
+    (summed in rank order, then divided by P); DiLoCo steps the round's start parameters with the outer
+    optimizer on the average of (start - end). Floating-point buffers are averaged too when
+    ``average_buffers``. Per replica: its final ``params`` and ``state``, and the parameters every step's
+    forward ``read``."""
+    replicas = [build(spec, seed=spec.seed) for _ in range(world_size)]
+    cls, kwargs = OPTIMIZERS[optimizer]
+    inner = [cls(_trainable(m), **kwargs) for m in replicas]
+    start = build(spec, seed=spec.seed)  # the round's start parameters, which the outer optimizer steps
+    outer_opt = outer[0](_trainable(start), **outer[1]) if outer is not None else None
+    read: list[list[dict]] = [[] for _ in replicas]
+    taken = 0
+    for step in range(steps):
+        x, y = batch(spec, step, size, world_size)
+        for rank, (model, opt) in enumerate(zip(replicas, inner)):
+            read[rank].append({n: p.detach().clone() for n, p in model.named_parameters()})
+            if step == skip:
+                continue
+            opt.zero_grad()
+            F.mse_loss(model(shard(x, rank, size)), shard(y, rank, size)).backward()
+            opt.step()
+        if step == skip:
+            continue
+        taken += 1
+        if taken % sync_every == 0:
+            _average_replicas(replicas, start, outer_opt, average_buffers)
+    return {"params": [{n: p.detach().clone() for n, p in m.named_parameters()} for m in replicas],
+            "state": [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in replicas], "read": read}
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _mean(values: list[torch.Tensor]) -> torch.Tensor:
+    total = values[0].clone()
+    for value in values[1:]:
+        total += value
+    return total.div_(len(values))
+
+
+@torch.no_grad()
+def _average_replicas(replicas: list[nn.Module], start: nn.Module, outer: torch.optim.Optimizer | None,
+                      buffers: bool) -> None:
+    """The sync of :func:`periodic`: every replica ends with the same parameters."""
+    columns = list(zip(*(_trainable(m) for m in replicas)))
+    if outer is None:
+        new = [_mean(list(column)) for column in columns]
+    else:
+        for p, column in zip(_trainable(start), columns):
+            p.grad = _mean([p - q for q in column])
+        outer.step()
+        new = [p.detach().clone() for p in _trainable(start)]
+    for model in replicas:
+        for p, value in zip(_trainable(model), new):
+            p.copy_(value)
+    if buffers:
+        for column in zip(*(list(m.buffers()) for m in replicas)):
+            if column[0].is_floating_point():
+                average = _mean([b.clone() for b in column])
+                for b in column:
+                    b.copy_(average)

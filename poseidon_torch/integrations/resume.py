@@ -1,10 +1,12 @@
 """What a framework's checkpoint must carry, besides the model and the optimizer, for a resumed run to
 continue the same trajectory: PoseidonDDP's consistency state (Pipe-SGD's averaged gradients in flight
-with ``delay=k``, or a ``ServerOptimizer(delay=k)``'s values not read yet).
+with ``delay=k``, a ``ServerOptimizer(delay=k)``'s values not read yet, or with ``sync_every=H`` the
+steps taken and DiLoCo's outer optimizer state).
 
 Invariants: the state is the same on every rank (the averages and the pulled values are bit-identical
-on every rank), so the copy the main process writes serves every rank; a run that pipelines nothing
-(BSP, SSP) saves nothing, so its checkpoints load into any mode, as before.
+on every rank, and so are a periodic mode's step count, round start and outer state), so the copy the
+main process writes serves every rank; a run that keeps nothing (BSP, SSP) saves nothing, so its
+checkpoints load into any mode, as before.
 """
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ FILE_NAME = "poseidon_consistency.pt"
 
 
 def in_flight_state(wrapper: PoseidonDDP) -> dict | None:
-    """The consistency state when something is in flight (``delay >= 1``), else None. Collective: call it
-    on every rank (it waits for the last step's sync)."""
+    """The consistency state when it holds anything (``delay >= 1``, ``sync_every``), else None. Collective:
+    call it on every rank (it waits for the last step's sync)."""
     state = wrapper.consistency_state_dict()
-    return state if state["delay"] else None
+    return state if state["delay"] or set(state) != {"delay"} else None
 
 
 def restore_in_flight_state(wrapper: PoseidonDDP, state: dict | None) -> None:

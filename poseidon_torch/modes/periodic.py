@@ -1,0 +1,393 @@
+"""Periodic averaging, ``PoseidonDDP(model, sync_every=H, outer=...)``: local SGD and DiLoCo.
+
+Every backward is local (no pass opens, nothing is sent): the user's optimizer (the *inner* one) steps
+each rank on its own gradients. Right after every H-th ``step()`` of it, still inside that ``step()``,
+the ranks sync through the engine's buckets and paths (:meth:`~.base.Engine.sync_now`, every bucket on
+its path: the default one, or one an override names), and ``step()`` returns once the sync is done:
+- local SGD (``outer=None``; Lin et al. 2020, torch's ``PeriodicModelAverager``): every parameter becomes
+  the average over the ranks of its value;
+- DiLoCo (``outer=`` an optimizer; Douillard et al. 2023): the round's pseudo-gradient, its start minus
+  its end, is averaged, and the *outer* optimizer steps the round's start parameters with it (the paper's:
+  Nesterov SGD, lr 0.7, momentum 0.9, :data:`DILOCO_OUTER`).
+With ``broadcast_buffers`` (the default) the floating-point buffers (BatchNorm's statistics) are averaged
+at the same sync; integer ones (counters) stay as they are.
+
+What a step is: one ``step()`` of the inner optimizer, the torch optimizer over this model's parameters
+whose ``step()`` runs (torchft's rule; torch's ``PostLocalSGDOptimizer`` counts its own ``step()`` too):
+backwards, ``no_sync()`` and micro-batches do not count, a step that GradScaler skips does not count, a
+subclass whose ``step()`` calls ``super().step()`` counts once. One optimizer: a second one stepping these
+parameters is refused (use param groups).
+
+Invariants:
+- after every sync all ranks hold bit-identical parameters (each average is computed once and sent to
+  every rank; the outer optimizer steps the same values on every rank), and the outer optimizer's state is
+  the same on every rank; the inner optimizers' states stay each rank's own, as in DiLoCo and torch;
+- between syncs no rank sends anything: ``comm_stats`` counts one iteration per sync;
+- nothing is in flight between two steps: a checkpoint carries the steps taken, the outer optimizer's
+  state and, in the middle of a DiLoCo round, the round's start parameters (:meth:`Periodic.state_dict`);
+  the parameters and the inner optimizer's state differ between ranks in the middle of a round, so every
+  rank saves its own for an exact resume;
+- DiLoCo takes the round's start parameters when the round's first inner step begins, so parameters the
+  user loads between rounds are the next round's start.
+Uneven inputs (``join()``) are refused: every rank must reach every sync.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+import weakref
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ..bucket import Bucket
+from ..paths import GradWriter, Path, SyncContext, path_class
+from ..pools import ChannelGroups
+from ..replicas import average_into
+from .base import Engine, Mode
+from .state import check_delay
+
+#: DiLoCo's outer optimizer as the paper sets it: Nesterov SGD, lr 0.7, momentum 0.9
+DILOCO_OUTER = (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+
+_OUTER_FORMS = ("None (local SGD), an optimizer class and its arguments, e.g. (torch.optim.SGD, {'lr': 0.7, "
+                "'momentum': 0.9, 'nesterov': True}) (poseidon_torch.DILOCO_OUTER), or "
+                "functools.partial(torch.optim.SGD, lr=0.7, ...)")
+
+
+@dataclass(frozen=True)
+class PeriodicOptions:
+    """``PoseidonDDP(sync_every=..., outer=...)`` checked: H, the outer optimizer's class and arguments
+    (None: local SGD), and whether buffers are averaged at each sync (``broadcast_buffers``)."""
+
+    sync_every: int
+    outer_class: type[Optimizer] | None = None
+    outer_kwargs: tuple[tuple[str, Any], ...] = ()
+    average_buffers: bool = True
+
+    def build_outer(self, params: Sequence[nn.Parameter]) -> Optimizer:
+        return self.outer_class(params, **dict(self.outer_kwargs))
+
+
+def periodic_option(sync_every: object, outer: object, average_buffers: bool,
+                    params: Iterable[nn.Parameter]) -> PeriodicOptions | None:
+    """The options checked (None: not periodic). The outer optimizer is built once over ``params``, so
+    arguments it refuses are refused here, on every rank, before any collective."""
+    if sync_every is None:
+        if outer is not None:
+            raise ValueError("PoseidonDDP option outer (DiLoCo's outer optimizer) needs sync_every=H, the inner steps "
+                             "between two outer steps")
+        return None
+    if not isinstance(sync_every, int) or isinstance(sync_every, bool):
+        raise TypeError(f"PoseidonDDP option sync_every must be an int (inner optimizer steps between two syncs), "
+                        f"got {sync_every!r}")
+    if sync_every < 1:
+        raise ValueError(f"PoseidonDDP option sync_every must be >= 1 (inner optimizer steps between two syncs), got "
+                         f"{sync_every}; leave it out for BSP")
+    cls, kwargs = _outer_parts(outer)
+    options = PeriodicOptions(sync_every, cls, tuple(sorted(kwargs.items())), average_buffers)
+    if cls is not None:
+        try:
+            options.build_outer([p for p in params if p.requires_grad])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"PoseidonDDP option outer: {cls.__name__} refused its arguments {kwargs}: {exc}") from exc
+    return options
+
+
+def _outer_parts(outer: object) -> tuple[type[Optimizer] | None, dict[str, Any]]:
+    """``outer`` as (an optimizer class, its keyword arguments)."""
+    if outer is None:
+        return None, {}
+    if isinstance(outer, Optimizer):
+        raise TypeError(f"PoseidonDDP option outer must be {_OUTER_FORMS}, not an optimizer already built "
+                        f"({type(outer).__name__}): the wrapper builds it over the model's parameters")
+    if isinstance(outer, functools.partial) and not outer.args:
+        cls, kwargs = outer.func, dict(outer.keywords)
+    elif isinstance(outer, tuple) and len(outer) == 2 and isinstance(outer[1], Mapping):
+        cls, kwargs = outer[0], dict(outer[1])
+    else:
+        cls, kwargs = outer, {}
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
+        raise TypeError(f"PoseidonDDP option outer must be {_OUTER_FORMS}, got {outer!r}")
+    return cls, kwargs
+
+
+def check_periodic(options: PeriodicOptions | None, delay: int, overrides: Mapping[str, str]) -> None:
+    """Refuse what makes no sense with periodic averaging (at construction, on every rank)."""
+    if options is None:
+        return
+    if delay:
+        raise ValueError(f"PoseidonDDP options delay={delay} (Pipe-SGD: every step's averaged gradient, k steps late) "
+                         f"and sync_every={options.sync_every} (the parameters averaged every H steps, no gradient "
+                         "sent) are two consistency modes: choose one")
+    factors = sorted(name for name, path in overrides.items() if path_class(path).factors)
+    if factors:
+        raise ValueError(f"overrides put {factors} on {sorted({overrides[n] for n in factors})}, which syncs gradients "
+                         f"from their factors; with sync_every={options.sync_every} the sync carries parameters or "
+                         "pseudo-gradients: name another path, or leave those layers out")
+
+
+#: the code of the wrapper torch puts around every optimizer's ``step()`` (it runs the step hooks)
+_STEP_WRAPPER = Optimizer.profile_hook_step(lambda self: None).__code__
+
+
+def outermost_step(optimizer: Optimizer) -> bool:
+    """Whether the ``step()`` whose hook runs now is not nested in another ``step()`` of ``optimizer`` (a
+    subclass whose ``step()`` calls ``super().step()``: torch runs the hooks at both levels)."""
+    frame, levels = sys._getframe(1), 0
+    while frame is not None:
+        if frame.f_code is _STEP_WRAPPER and frame.f_locals.get("self") is optimizer:
+            levels += 1
+        frame = frame.f_back
+    return levels <= 1
+
+
+class RoundJob:
+    """A bucket's job in an outer sync (a :class:`~poseidon_torch.paths.Job`): ``payload(p)`` of every
+    parameter staged instead of its gradient, averaged by ``path``."""
+
+    native = False
+
+    def __init__(self, path: Path, payload: Callable[[nn.Parameter], Tensor]) -> None:
+        self.path, self.payload, self.name = path, payload, path.name
+
+    def stage(self, bucket: Bucket, ctx: SyncContext) -> None:
+        bucket.stage_values([self.payload(p) for p in bucket.params])
+
+    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, bool]:
+        return (yield from self.path.sync(bucket, groups, ctx))
+
+
+class Landing:
+    """Where an outer sync's averages go when its pass closes (a :class:`~poseidon_torch.paths.GradWriter`):
+    ``take(p, average)`` for every parameter, on the training thread."""
+
+    def __init__(self, take: Callable[[nn.Parameter, Tensor], None]) -> None:
+        self.take = take
+
+    def scatter(self, bucket: Bucket) -> None:
+        with torch.no_grad(), bucket.averages() as averages:
+            for p, average in averages:
+                self.take(p, average)
+
+    def add(self, layer: object, grads: tuple[Tensor, ...]) -> None:
+        raise RuntimeError("an outer sync took a factor path (internal error: refused at construction)")
+
+
+class Periodic(Mode):
+    """Periodic averaging (see the module docstring); a subclass says what a round sends and keeps."""
+
+    lockstep = False  # no collective between syncs: no facts, no buffer broadcast, buckets fused once
+    syncs_gradients = False
+    first_fusion_bytes = sys.maxsize  # the wrapper's fusion_bytes: fewer, larger messages per sync
+
+    def __init__(self, options: PeriodicOptions) -> None:
+        self.options = options
+        self.sync_every = options.sync_every
+        self.steps = 0  #: inner steps taken (the last sync was after step steps - steps % sync_every)
+        self.engine: Engine | None = None
+        self.outer: Optimizer | None = None  #: DiLoCo's
+        self._synced: set[int] = set()
+        self._steps_model: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
+        self._inner: weakref.ref | None = None
+        self._jobs: dict[Path, RoundJob] = {}
+        self._landing = Landing(self.take)
+        self._hooks: list = []
+
+    # ---- what a round sends and keeps (the subclasses) ---------------------------------------------
+
+    def round_begins(self) -> None:
+        """The round's first inner step begins."""
+
+    def payload(self, param: nn.Parameter) -> Tensor:
+        """What ``param`` sends at the end of the round."""
+        raise NotImplementedError
+
+    def take(self, param: nn.Parameter, average: Tensor) -> None:
+        """The average of what ``param`` sent (no_grad)."""
+        raise NotImplementedError
+
+    def round_ends(self) -> None:
+        """Every average of the round was taken."""
+
+    def round_state(self, names: dict[int, str]) -> dict:
+        return {}
+
+    def load_round(self, entry: dict, params: dict[str, nn.Parameter]) -> None:
+        """Restore :meth:`round_state` (checked first: a bad entry changes nothing)."""
+
+    # ---- the engine starts ------------------------------------------------------------------------
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+        self._synced = {id(p) for p in engine.params}
+        self._hooks = [register_optimizer_step_pre_hook(self._before_step),
+                       register_optimizer_step_post_hook(self._after_step)]
+
+    def job(self, path: Path) -> RoundJob:
+        job = self._jobs.get(path)
+        if job is None:
+            job = self._jobs[path] = RoundJob(path, self.payload)
+        return job
+
+    def writer(self, live: GradWriter, settling: bool) -> Landing:
+        return self._landing
+
+    # ---- the inner optimizer's steps ---------------------------------------------------------------
+
+    def _inner_step(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer``'s ``step()`` is an inner step (it steps this model's parameters)."""
+        if optimizer is self.outer:
+            return False
+        steps_model = self._steps_model.get(optimizer)
+        if steps_model is None:
+            steps_model = self._steps_model[optimizer] = any(
+                id(p) in self._synced for group in optimizer.param_groups for p in group["params"])
+        if steps_model:
+            self._check_one_optimizer(optimizer)
+        return steps_model
+
+    def _check_one_optimizer(self, optimizer: Optimizer) -> None:
+        inner = self._inner() if self._inner is not None else None
+        if inner is None:
+            self._inner = weakref.ref(optimizer)
+        elif inner is not optimizer:
+            raise RuntimeError(
+                f"PoseidonDDP(sync_every={self.sync_every}) counts the step() calls of one optimizer over the model's "
+                f"parameters and syncs after every {self.sync_every}th; a second one ({type(optimizer).__name__}, "
+                f"besides {type(inner).__name__}) stepped them: use one optimizer with param groups (or drop the "
+                "first one before building another)")
+
+    def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._inner_step(optimizer) and self.steps % self.sync_every == 0 and outermost_step(optimizer):
+            self.round_begins()
+
+    def _after_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
+        if not (self._inner_step(optimizer) and outermost_step(optimizer)):
+            return
+        self.steps += 1
+        if self.steps % self.sync_every == 0:
+            self._sync()
+
+    def _sync(self) -> None:
+        """The outer sync (collective: every rank after its H-th inner step of the round)."""
+        engine = self.engine
+        engine.sync_now()
+        if self.options.average_buffers and engine.world_size > 1:
+            average_into([b for b in engine.module.buffers() if b.is_floating_point()], engine.control)
+        self.round_ends()
+
+    # ---- what it supports, what it keeps ----------------------------------------------------------
+
+    def refuse_join(self) -> None:
+        raise RuntimeError(f"join() (uneven inputs) is not supported with sync_every={self.sync_every}: every rank must "
+                           "reach every outer sync; give every rank the same number of batches "
+                           "(DistributedSampler(drop_last=True))")
+
+    def state_dict(self, names: dict[int, str]) -> dict:
+        """The steps taken and what the round keeps (nothing is in flight between steps)."""
+        return {"delay": 0, "periodic": {"mode": self.name, "sync_every": self.sync_every, "steps": self.steps,
+                                         **self.round_state(names)}}
+
+    def load_state_dict(self, state: dict, params: dict[str, nn.Parameter]) -> None:
+        check_delay(state, 0)
+        entry = state.get("periodic")
+        if not isinstance(entry, dict):
+            raise ValueError(f"the consistency state was saved without sync_every (keys {sorted(state)}); this model "
+                             f"runs {self.name} with sync_every={self.sync_every}: resume with the options it was saved "
+                             "with")
+        saved = (entry.get("mode"), entry.get("sync_every"))
+        if saved != (self.name, self.sync_every):
+            raise ValueError(f"the consistency state was saved by {saved[0]} with sync_every={saved[1]}; this model runs "
+                             f"{self.name} with sync_every={self.sync_every}: resume with the options it was saved with")
+        steps = entry.get("steps")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise ValueError(f"consistency state 'steps' must be an int >= 0, got {steps!r}")
+        self.load_round(entry, params)
+        self.steps = steps
+
+    def trace_args(self) -> dict:
+        return {"inner_steps": self.steps}
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+class LocalSGD(Periodic):
+    """Local SGD: the parameters averaged every H inner steps."""
+
+    name = "local-sgd"
+
+    def payload(self, param: nn.Parameter) -> Tensor:
+        return param.detach()
+
+    def take(self, param: nn.Parameter, average: Tensor) -> None:
+        param.copy_(average)
+
+
+class DiLoCo(Periodic):
+    """DiLoCo: the outer optimizer steps the round's start parameters with the averaged pseudo-gradient."""
+
+    name = "diloco"
+
+    def __init__(self, options: PeriodicOptions) -> None:
+        super().__init__(options)
+        self._start: dict[int, Tensor] | None = None  #: id(param) -> its value when the round began
+        self._pseudo: dict[int, Tensor] = {}  #: id(param) -> the averaged pseudo-gradient, until the outer step
+
+    def attach(self, engine: Engine) -> None:
+        super().attach(engine)
+        self.outer = self.options.build_outer(engine.params)
+
+    def round_begins(self) -> None:
+        if self._start is None:
+            self._start = {id(p): p.detach().clone() for p in self.engine.params}
+
+    def payload(self, param: nn.Parameter) -> Tensor:
+        return self._start[id(param)] - param.detach()
+
+    def take(self, param: nn.Parameter, average: Tensor) -> None:
+        param.copy_(self._start[id(param)])
+        self._pseudo[id(param)] = average.clone()
+
+    def round_ends(self) -> None:
+        """The outer step: each parameter's ``.grad`` is its averaged pseudo-gradient for the step only."""
+        params = self.engine.params
+        kept = [p.grad for p in params]
+        for p in params:
+            p.grad = self._pseudo.get(id(p))
+        try:
+            self.outer.step()
+        finally:
+            for p, grad in zip(params, kept):
+                p.grad = grad
+            self._pseudo, self._start = {}, None
+
+    def round_state(self, names: dict[int, str]) -> dict:
+        start = None if self._start is None else {names[key]: value.clone() for key, value in self._start.items()}
+        return {"start": start, "outer": copy.deepcopy(self.outer.state_dict())}
+
+    def load_round(self, entry: dict, params: dict[str, nn.Parameter]) -> None:
+        start = entry.get("start")
+        if start is not None:
+            if not isinstance(start, dict) or set(start) != {n for n, p in params.items() if id(p) in self._synced}:
+                raise ValueError("consistency state 'start' must hold every synced parameter by name "
+                                 f"({sorted(n for n, p in params.items() if id(p) in self._synced)})")
+            for name, value in start.items():
+                if not isinstance(value, Tensor) or value.shape != params[name].shape:
+                    raise ValueError(f"consistency state 'start' for {name!r} does not have the parameter's shape "
+                                     f"{tuple(params[name].shape)}")
+        if "outer" not in entry:
+            raise ValueError("the consistency state holds no outer optimizer state")
+        self.outer.load_state_dict(entry["outer"])
+        self._start = None if start is None else {
+            id(params[name]): value.detach().to(params[name].device, params[name].dtype).clone()
+            for name, value in start.items()}

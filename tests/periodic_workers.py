@@ -1,0 +1,197 @@
+"""Rank functions for the periodic averaging tests (``PoseidonDDP(sync_every=H, outer=...)``); the
+single-process reference they are held to is ``training.periodic``."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import ModelSpec, batch, build
+from poseidon_torch import PoseidonDDP, ServerOptimizer
+from poseidon_torch.integrations.resume import in_flight_state
+from training import OPTIMIZERS, shard
+
+SPEC = ModelSpec(widths=(8, 5))
+NESTEROV = (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+
+
+def _steps(spec: ModelSpec, wrapped: nn.Module, opt: torch.optim.Optimizer, rank: int, world_size: int, first: int,
+           last: int, size: int = 3) -> None:
+    for step in range(first, last):
+        opt.zero_grad()
+        x, y = batch(spec, step, size, world_size)
+        F.mse_loss(wrapped(shard(x, rank, size)), shard(y, rank, size)).backward()
+        opt.step()
+
+
+# ---- H = 1 against BSP where every operation is exact --------------------------------------------------
+
+def _dyadic_model() -> nn.Module:
+    """A linear layer whose weights are multiples of 1/4: with inputs in {-1, 0, 1}, integer targets, a
+    learning rate of 1/8 and a batch of 2 x 2 outputs per rank, every gradient and every inner SGD step
+    of the first few steps is exact (each adds 5 bits after the point: the mean over 4 outputs, the
+    learning rate, the average over 2 ranks)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-8, 9, p.shape) / 4)
+    return model
+
+
+def _dyadic_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(-1, 2, (2, 4), generator=g).float(), torch.randint(-2, 3, (2, 2), generator=g).float()
+
+
+def exact_h1_against_bsp(rank: int, world_size: int, steps: int) -> dict:
+    """Plain SGD (lr 1/8) on the dyadic model: BSP, and DiLoCo with H = 1 and an outer SGD of lr 1 (and
+    local SGD with H = 1): every rank's final parameters."""
+    results = {}
+    for name, options in (("bsp", {}), ("diloco", {"sync_every": 1, "outer": (torch.optim.SGD, {"lr": 1.0})}),
+                          ("local", {"sync_every": 1})):
+        model = _dyadic_model()
+        wrapped = PoseidonDDP(model, timeout=60, **options)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.125)
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = _dyadic_batch(step, rank)
+            F.mse_loss(wrapped(x), y).backward()
+            opt.step()
+        wrapped.close()
+        results[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return results
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------
+
+def checkpoint_resume(rank: int, world_size: int, options: dict, optimizer: str, stop: int, steps: int) -> dict:
+    """``steps`` steps straight, and ``stop`` steps, a checkpoint (this rank's model and inner optimizer
+    state, the consistency state) restored into a new model (other initial values), wrapper and optimizer,
+    then the rest: both final states, the consistency state saved, and what the integrations would save."""
+    cls, kwargs = OPTIMIZERS[optimizer]
+
+    def fresh(seed: int):
+        model = build(SPEC, seed=seed)
+        wrapped = PoseidonDDP(model, timeout=60, **options)
+        return model, wrapped, cls(wrapped.parameters(), **kwargs)
+
+    model, wrapped, opt = fresh(SPEC.seed)
+    _steps(SPEC, wrapped, opt, rank, world_size, 0, steps)
+    straight = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped.close()
+
+    model, wrapped, opt = fresh(SPEC.seed)
+    _steps(SPEC, wrapped, opt, rank, world_size, 0, stop)
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict(),
+             "consistency": wrapped.consistency_state_dict()}
+    integrations = in_flight_state(wrapped)
+    wrapped.close()
+    model, wrapped, opt = fresh(SPEC.seed + 1)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    wrapped.load_consistency_state_dict(saved["consistency"])
+    _steps(SPEC, wrapped, opt, rank, world_size, stop, steps)
+    resumed = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped.close()
+    return {"straight": straight, "resumed": resumed, "saved": saved["consistency"],
+            "integrations_saved": integrations is not None}
+
+
+def bad_states(rank: int, world_size: int) -> dict:
+    """What loading wrong consistency states into a DiLoCo wrapper raises, and that a refused load changed
+    nothing (the state saved before and after the attempts is the same)."""
+    model = build(SPEC, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, sync_every=3, outer=NESTEROV)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+    _steps(SPEC, wrapped, opt, rank, world_size, 0, 4)
+    good = wrapped.consistency_state_dict()
+    entry = good["periodic"]
+    cases = {
+        "bsp state": {"delay": 0},
+        "other H": {"delay": 0, "periodic": {**entry, "sync_every": 2}},
+        "local sgd state": {"delay": 0, "periodic": {**entry, "mode": "local-sgd"}},
+        "bad steps": {"delay": 0, "periodic": {**entry, "steps": -1}},
+        "missing start": {"delay": 0, "periodic": {**entry, "start": {"head.weight": entry["start"]["head.weight"]}}},
+        "bad shape": {"delay": 0, "periodic": {**entry, "start": {**entry["start"], "head.bias": torch.zeros(7)}}},
+    }
+    errors = {}
+    for case, state in cases.items():
+        try:
+            wrapped.load_consistency_state_dict(state)
+            errors[case] = None
+        except ValueError as exc:
+            errors[case] = str(exc)
+    after = wrapped.consistency_state_dict()
+    wrapped.close()
+
+    bsp = PoseidonDDP(build(SPEC, seed=0), timeout=60)
+    try:
+        bsp.load_consistency_state_dict(good)
+        errors["into bsp"] = None
+    except ValueError as exc:
+        errors["into bsp"] = str(exc)
+    bsp.close()
+    unchanged = after["periodic"]["steps"] == entry["steps"] and all(
+        torch.equal(after["periodic"]["start"][n], t) for n, t in entry["start"].items())
+    return {"errors": errors, "unchanged": unchanged}
+
+
+# ---- refusals ----------------------------------------------------------------------------------------
+
+def _error_of(make) -> tuple[str, str] | None:
+    try:
+        make()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def refusals(rank: int, world_size: int) -> dict:
+    """Each bad option or combination, built on every rank: the exception it raised (None: accepted)."""
+    def wrap(**options):
+        return PoseidonDDP(build(SPEC, seed=0), timeout=60, **options)
+
+    cases = {
+        "sync_every=0": lambda: wrap(sync_every=0),
+        "sync_every=-2": lambda: wrap(sync_every=-2),
+        "sync_every=True": lambda: wrap(sync_every=True),
+        "sync_every=2.0": lambda: wrap(sync_every=2.0),
+        "outer without sync_every": lambda: wrap(outer=NESTEROV),
+        "outer an optimizer": lambda: wrap(sync_every=2, outer=torch.optim.SGD(build(SPEC, 0).parameters(), lr=1.0)),
+        "outer not an optimizer": lambda: wrap(sync_every=2, outer=(nn.Linear, {})),
+        "outer bad lr": lambda: wrap(sync_every=2, outer=(torch.optim.SGD, {"lr": -1.0})),
+        "outer bad argument": lambda: wrap(sync_every=2, outer=functools.partial(torch.optim.SGD, lr=0.7, nesterov=True)),
+        "with delay": lambda: wrap(sync_every=2, delay=1),
+        "SFB override": lambda: wrap(sync_every=2, fusion_bytes=0, overrides={"head": "SFB"}),
+    }
+    errors = {case: _error_of(make) for case, make in cases.items()}
+
+    wrapped = wrap(sync_every=2)
+    errors["ServerOptimizer"] = _error_of(lambda: ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1))
+    errors["join"] = _error_of(lambda: wrapped.join())
+    wrapped.close()
+    return errors
+
+
+def optimizer_steps(rank: int, world_size: int) -> dict:
+    """How steps are counted: a subclass whose step() calls super().step() counts once per call (syncs
+    after 2 of them with sync_every=2); a second optimizer over the parameters is refused."""
+    class Wrapping(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # torch hooks SGD.step itself from now on
+    model = build(SPEC, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, sync_every=2)
+    opt = Wrapping(wrapped.parameters(), lr=0.05)
+    syncs = []
+    for step in range(4):
+        _steps(SPEC, wrapped, opt, rank, world_size, step, step + 1)
+        syncs.append(wrapped.comm_stats.iterations)
+    second = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+    error = _error_of(second.step)
+    wrapped.close()
+    return {"syncs": syncs, "second": error}

@@ -1,0 +1,186 @@
+"""Periodic averaging (``PoseidonDDP(sync_every=H, outer=...)``): local SGD and DiLoCo equal their
+single-process simulation (``training.periodic``), every rank holds the same parameters right after each
+sync and its own between syncs, bytes leave a rank only at syncs, H = 1 with an outer SGD of lr 1 is BSP,
+checkpoints resume bit for bit, and bad options are refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import periodic_workers as pw
+import training
+from models import ModelSpec, model_specs
+from training import Run
+
+RTOL, ATOL = 1e-5, 1e-6
+NESTEROV = pw.NESTEROV
+OUTERS = {"local-sgd": None, "diloco": NESTEROV}
+
+
+def periodic_run(h: int, outer: tuple | None, optimizer: str, **run) -> Run:
+    options = {"sync_every": h, **({"outer": outer} if outer is not None else {}), **run.pop("options", {})}
+    return Run(optimizer=optimizer, options=options, **run)
+
+
+def assert_periodic(results: list[dict], reference: dict, h: int, what: str, skip: int | None = None) -> None:
+    """Every rank matches its replica of the simulation after every step and at the end; right after a
+    sync every rank reads the same bits, between syncs each rank its own; bytes are sent at syncs only."""
+    steps = len(results[0]["read"])
+    taken = [t for t in range(steps) if t != skip]
+    synced_before = {t + 1 for i, t in enumerate(taken) if (i + 1) % h == 0}  # forwards reading a sync's values
+    for rank, result in enumerate(results):
+        for name, value in reference["params"][rank].items():
+            torch.testing.assert_close(result["state"][name], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{what}: rank {rank} {name} at the end: {m}")
+        for step in range(steps):
+            for name, value in reference["read"][rank][step].items():
+                torch.testing.assert_close(result["read"][step][name], value, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{what}: rank {rank} {name} read at step {step}: {m}")
+            same = all(torch.equal(result["read"][step][n], results[0]["read"][step][n]) for n in result["params"])
+            if step in synced_before:
+                assert same, f"{what}: rank {rank} differs from rank 0 right after a sync (step {step})"
+            elif step > 0 and rank > 0 and step - 1 != skip:
+                assert not same, f"{what}: rank {rank} equals rank 0 at step {step}, between syncs"
+        sent = [0] + result["total_sent"]  # after each step taken
+        sync_steps = [t for i, t in enumerate(taken) if sent[i + 1] > sent[i]]
+        assert sync_steps == sorted(s - 1 for s in synced_before), f"{what}: rank {rank} sent at steps {sync_steps}"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("mode", ["local-sgd", "diloco"])
+def test_matches_the_single_process_simulation(cluster, mode, optimizer):
+    """H = 3 over 8 steps (two syncs, then two steps of a third round): every rank against its replica."""
+    h, steps, spec = 3, 8, ModelSpec(widths=(8, 5))
+    results = cluster.run(training.train, spec, periodic_run(h, OUTERS[mode], optimizer), steps, 3)
+    reference = training.periodic(spec, h, OUTERS[mode], steps, 3, cluster.world_size, optimizer)
+    assert_periodic(results, reference, h, f"{mode} {optimizer}")
+    for result in results:
+        assert result["in_flight"]["periodic"]["mode"] == mode and result["in_flight"]["periodic"]["steps"] == steps
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=model_specs(), h=st.integers(1, 3), mode=st.sampled_from(sorted(OUTERS)),
+       optimizer=st.sampled_from(["sgd", "adamw"]), engine=st.sampled_from(["native", "python"]))
+def test_generated_models_match_the_simulation(cluster, spec, h, mode, optimizer, engine):
+    if spec.rank0_branch or spec.unused_branch:  # their reference replicas run the same forward on every rank
+        spec = ModelSpec(**{**spec.__dict__, "rank0_branch": False, "unused_branch": False})
+    run = periodic_run(h, OUTERS[mode], optimizer, options={"engine": engine, "fusion_bytes": 512})
+    results = cluster.run(training.train, spec, run, 5, 2, timeout=200)
+    reference = training.periodic(spec, h, OUTERS[mode], 5, 2, cluster.world_size, optimizer)
+    for rank, result in enumerate(results):
+        for name, value in reference["state"][rank].items():
+            torch.testing.assert_close(result["state"][name].to(value.dtype), value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{spec} {mode} H={h}: rank {rank} {name}: {m}")
+
+
+def test_buffers_are_averaged_at_each_sync_unless_broadcast_buffers_is_off(cluster):
+    """BatchNorm's statistics: averaged with the parameters (the same on every rank after a sync), or each
+    rank's own with ``broadcast_buffers=False``. (SGD: a conv bias before BatchNorm gets a gradient of
+    rounding noise, which Adam would scale up to whole steps.)"""
+    spec, h, steps = ModelSpec(conv_channels=(3,), batchnorm=True, widths=(5,)), 2, 4
+    for average in (True, False):
+        run = periodic_run(h, NESTEROV, "sgd", options={"broadcast_buffers": average})
+        results = cluster.run(training.train, spec, run, steps, 2)
+        reference = training.periodic(spec, h, NESTEROV, steps, 2, cluster.world_size, "sgd",
+                                      average_buffers=average)
+        for rank, result in enumerate(results):
+            for name, value in reference["state"][rank].items():
+                torch.testing.assert_close(result["state"][name].to(value.dtype), value, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"buffers averaged={average}: rank {rank} {name}: {m}")
+        running = [result["state"]["features.1.running_mean"] for result in results]
+        assert all(torch.equal(r, running[0]) for r in running) == average
+
+
+def test_a_step_every_rank_skips_is_no_step(cluster):
+    """A backward that raises on every rank, its step skipped: the round counts the steps taken."""
+    h, steps, spec = 2, 6, ModelSpec(widths=(8, 5))
+    results = cluster.run(training.train, spec, periodic_run(h, NESTEROV, "sgd", skip=2), steps, 3)
+    reference = training.periodic(spec, h, NESTEROV, steps, 3, cluster.world_size, "sgd", skip=2)
+    assert all(result["errors"] == ["ValueError"] for result in results)
+    assert_periodic(results, reference, h, "skip", skip=2)
+
+
+def test_h1_with_outer_sgd_lr_1_is_bsp(cluster):
+    """Plain SGD: bit-identical to BSP where every inner step is exact (dyadic data: several steps with 2
+    ranks; with 3 the average's division by 3 rounds, so one step), else to rounding."""
+    world_size = cluster.world_size
+    steps = 3 if world_size == 2 else 1
+    for rank, result in enumerate(cluster.run(pw.exact_h1_against_bsp, steps)):
+        for name, value in result["bsp"].items():
+            if world_size == 2:  # the premise: nothing rounded (every value a multiple of 2^-20)
+                assert not torch.any(torch.frac(value * 2 ** 20)), f"{name} was rounded: {value}"
+            assert torch.equal(result["diloco"][name], value), f"rank {rank}: DiLoCo H=1 {name} is not BSP's bits"
+            if world_size == 2:
+                assert torch.equal(result["local"][name], value), f"rank {rank}: local SGD H=1 {name} is not BSP's"
+    spec = ModelSpec(widths=(8, 5))
+    outer = (torch.optim.SGD, {"lr": 1.0})
+    results = cluster.run(training.train_runs, spec, [periodic_run(1, outer, "plain-sgd"), Run(optimizer="plain-sgd")],
+                          5, 3)
+    reference = training.bsp(spec, 5, 3, world_size, "plain-sgd")
+    for rank, (diloco, bsp) in enumerate(results):
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(diloco["state"][name], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"rank {rank} {name} against BSP in one process: {m}")
+            torch.testing.assert_close(diloco["state"][name], bsp["state"][name], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("stop", [4, 3], ids=["mid-round", "at-a-sync"])
+@pytest.mark.parametrize("mode", ["local-sgd", "diloco"])
+def test_a_resumed_run_continues_bit_for_bit(cluster, mode, stop):
+    """AdamW inside, H = 3, 7 steps: a checkpoint after ``stop`` steps (each rank its own model and inner
+    optimizer; the consistency state, the same on every rank) continues the same trajectory, bit for bit."""
+    options = {"sync_every": 3, **({"outer": OUTERS[mode]} if OUTERS[mode] else {})}
+    results = cluster.run(pw.checkpoint_resume, options, "adamw", stop, 7)
+    for rank, result in enumerate(results):
+        for name, value in result["straight"].items():
+            assert torch.equal(result["resumed"][name], value), f"rank {rank}: {name} differs after resuming"
+        saved = result["saved"]["periodic"]
+        assert saved["steps"] == stop and result["integrations_saved"]
+        if mode == "diloco":
+            assert (saved["start"] is None) == (stop % 3 == 0)  # the round's start only in the middle of a round
+            assert saved["outer"]["state"]  # the outer momentum, after the first sync
+            first = results[0]["saved"]["periodic"]
+            assert all(torch.equal(t, first["outer"]["state"][k]["momentum_buffer"])
+                       for k, v in saved["outer"]["state"].items() for t in [v["momentum_buffer"]])
+
+
+def test_wrong_consistency_states_are_refused_and_change_nothing(cluster):
+    result = cluster.run(pw.bad_states)[0]
+    for case, error in result["errors"].items():
+        assert error is not None, f"{case} was loaded"
+    assert "saved without sync_every" in result["errors"]["bsp state"]
+    assert "sync_every=2" in result["errors"]["other H"] and "local-sgd" in result["errors"]["local sgd state"]
+    assert "'steps'" in result["errors"]["bad steps"] and "'start'" in result["errors"]["missing start"]
+    assert "head.bias" in result["errors"]["bad shape"] and "sync_every=H" in result["errors"]["into bsp"]
+    assert result["unchanged"]
+
+
+def test_bad_options_and_combinations_are_refused_by_name(cluster):
+    expected = {
+        "sync_every=0": ("ValueError", "sync_every must be >= 1"),
+        "sync_every=-2": ("ValueError", "sync_every must be >= 1"),
+        "sync_every=True": ("TypeError", "sync_every must be an int"),
+        "sync_every=2.0": ("TypeError", "sync_every must be an int"),
+        "outer without sync_every": ("ValueError", "needs sync_every=H"),
+        "outer an optimizer": ("TypeError", "not an optimizer already built"),
+        "outer not an optimizer": ("TypeError", "option outer must be"),
+        "outer bad lr": ("ValueError", "option outer: SGD refused its arguments"),
+        "outer bad argument": ("ValueError", "Nesterov"),
+        "with delay": ("ValueError", "choose one"),
+        "SFB override": ("ValueError", "from their factors"),
+        "ServerOptimizer": ("RuntimeError", "drop sync_every"),
+        "join": ("RuntimeError", "join() (uneven inputs) is not supported with sync_every=2"),
+    }
+    for rank, errors in enumerate(cluster.run(pw.refusals)):
+        for case, (kind, text) in expected.items():
+            assert errors[case] is not None, f"rank {rank}: {case} was accepted"
+            assert errors[case][0] == kind and text in errors[case][1], f"rank {rank}: {case}: {errors[case]}"
+
+
+def test_a_step_is_one_outermost_step_of_one_optimizer(cluster):
+    for result in cluster.run(pw.optimizer_steps):
+        assert result["syncs"] == [0, 1, 1, 2]
+        assert result["second"][0] == "RuntimeError" and "use one optimizer with param groups" in result["second"][1]
