@@ -65,8 +65,8 @@ def test_matches_the_single_process_simulation(cluster, mode, optimizer):
 @given(spec=model_specs(), h=st.integers(1, 3), mode=st.sampled_from(sorted(OUTERS)),
        optimizer=st.sampled_from(["sgd", "adamw"]), engine=st.sampled_from(["native", "python"]))
 def test_generated_models_match_the_simulation(cluster, spec, h, mode, optimizer, engine):
-    if spec.rank0_branch or spec.unused_branch:  # their reference replicas run the same forward on every rank
-        spec = ModelSpec(**{**spec.__dict__, "rank0_branch": False, "unused_branch": False})
+    if spec.batchnorm:  # a bias before BatchNorm gets a gradient of rounding noise, which Adam scales up to steps
+        optimizer = "sgd"
     run = periodic_run(h, OUTERS[mode], optimizer, options={"engine": engine, "fusion_bytes": 512})
     results = cluster.run(training.train, spec, run, 5, 2, timeout=200)
     reference = training.periodic(spec, h, OUTERS[mode], 5, 2, cluster.world_size, optimizer)
@@ -139,23 +139,24 @@ def test_a_resumed_run_continues_bit_for_bit(cluster, mode, stop):
             assert torch.equal(result["resumed"][name], value), f"rank {rank}: {name} differs after resuming"
         saved = result["saved"]["periodic"]
         assert saved["steps"] == stop and result["integrations_saved"]
-        if mode == "diloco":
-            assert (saved["start"] is None) == (stop % 3 == 0)  # the round's start only in the middle of a round
-            assert saved["outer"]["state"]  # the outer momentum, after the first sync
-            first = results[0]["saved"]["periodic"]
-            assert all(torch.equal(t, first["outer"]["state"][k]["momentum_buffer"])
-                       for k, v in saved["outer"]["state"].items() for t in [v["momentum_buffer"]])
+        if mode == "diloco":  # the outer momentum (after the first sync), and the round's start mid-round only
+            assert (saved["start"] is None) == (stop % 3 == 0)
+            first = results[0]["saved"]["periodic"]  # the same on every rank: one copy serves all
+            momentum = {k: v["momentum_buffer"] for k, v in saved["outer"]["state"].items()}
+            assert momentum and all(torch.equal(t, first["outer"]["state"][k]["momentum_buffer"])
+                                    for k, t in momentum.items())
+            assert saved["start"] is None or all(torch.equal(t, first["start"][n]) for n, t in saved["start"].items())
 
 
 def test_wrong_consistency_states_are_refused_and_change_nothing(cluster):
-    result = cluster.run(pw.bad_states)[0]
-    for case, error in result["errors"].items():
-        assert error is not None, f"{case} was loaded"
-    assert "saved without sync_every" in result["errors"]["bsp state"]
-    assert "sync_every=2" in result["errors"]["other H"] and "local-sgd" in result["errors"]["local sgd state"]
-    assert "'steps'" in result["errors"]["bad steps"] and "'start'" in result["errors"]["missing start"]
-    assert "head.bias" in result["errors"]["bad shape"] and "sync_every=H" in result["errors"]["into bsp"]
-    assert result["unchanged"]
+    for result in cluster.run(pw.bad_states):
+        for case, error in result["errors"].items():
+            assert error is not None, f"{case} was loaded"
+        assert "saved without sync_every" in result["errors"]["bsp state"]
+        assert "sync_every=2" in result["errors"]["other H"] and "local-sgd" in result["errors"]["local sgd state"]
+        assert "'steps'" in result["errors"]["bad steps"] and "'start'" in result["errors"]["missing start"]
+        assert "head.bias" in result["errors"]["bad shape"] and "sync_every=H" in result["errors"]["into bsp"]
+        assert result["unchanged"]
 
 
 def test_bad_options_and_combinations_are_refused_by_name(cluster):

@@ -324,7 +324,8 @@ def periodic(spec: ModelSpec, sync_every: int, outer: tuple | None, steps: int, 
             if step == skip:
                 continue
             opt.zero_grad()
-            F.mse_loss(model(shard(x, rank, size)), shard(y, rank, size)).backward()
+            output = model(shard(x, rank, size), use_side=spec.rank0_branch and rank == 0)
+            F.mse_loss(output, shard(y, rank, size)).backward()
             opt.step()
         if step == skip:
             continue
