@@ -32,6 +32,7 @@ RUN_TIMEOUT_S = 480  # the digits smoke run: eight modes, up to two worker proce
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 BSP_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-server-lazy")
 BASELINES = ("torch-ddp-powersgd", "torch-ddp-localsgd", "one-host")
+PERIODIC = ("poseidon-localsgd", "poseidon-diloco")
 #: fp32 noise of a differently ordered gradient sum, after a dozen AdamW steps, is ~1e-7 relative
 BSP_TOLERANCE = 1e-5
 
@@ -51,7 +52,7 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Com
     out = tmp_path_factory.mktemp("accuracy")
     done, report = run_accuracy(out, "--task", "digits", "--steps", "12", "--eval-every", "3",
                                 "--straggler", "transient:p=0.3,delay=5ms,seed=3", "--powersgd-start-iter", "2",
-                                "--modes", ",".join(("torch-ddp", *BSP_MODES, "compute-only", *BASELINES)))
+                                "--modes", ",".join(("torch-ddp", *BSP_MODES, "compute-only", *BASELINES, *PERIODIC)))
     return done, report, out
 
 
@@ -130,6 +131,21 @@ def test_local_sgd_ranks_differ_between_averages_and_agree_after_the_final_one(d
     assert len({d["final"] for d in ddp["param_digests_by_rank"]}) == 1
     assert all(0.15 * d < b < 0.5 * d for b, d in zip(local["bytes_per_step_by_rank"], ddp["bytes_per_step_by_rank"]))
     assert [p["step"] for p in local["evals"]] == [0, 3, 6, 9, 12]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", PERIODIC)
+def test_periodic_modes_sync_every_local_sgd_period(digits_run: tuple, mode: str) -> None:
+    """PoseidonDDP(sync_every=4): steps 4 and 8 sync, so after step 12 (which syncs too) the ranks agree,
+    with no final average needed (digests equal before it); about a quarter of DDP's bytes per step; the
+    same evaluation grid as the others."""
+    _, report, _ = digits_run
+    run, ddp = _ok(report, mode), _ok(report, "torch-ddp")
+    digests = run["param_digests_by_rank"]
+    assert digests[0]["before_final_average"] == digests[1]["before_final_average"] == digests[0]["final"]
+    assert all(0.15 * d < b < 0.5 * d for b, d in zip(run["bytes_per_step_by_rank"], ddp["bytes_per_step_by_rank"]))
+    assert [p["step"] for p in run["evals"]] == [0, 3, 6, 9, 12]
+    assert run["train_loss_rank0"][:1] == ddp["train_loss_rank0"][:1]  # the same start, then its own path
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ the same per-rank batch), ``torch-ddp``, ``poseidon-ps`` (PoseidonDDP(hybrid=Fal
 slow network (:mod:`~poseidon_torch.bench.baselines`): ``torch-ddp-powersgd`` (rank ``--powersgd-rank``;
 here it compresses from the first timed iteration on: ``start_powerSGD_iter`` is ``--warmup``, which must
 be at least 2), ``torch-ddp-localsgd`` (period ``--localsgd-period``, which must divide ``--iters`` so that
-the timed loop holds whole periods; no warm-up, torch's default) and ``one-host`` (host 0 alone: one
+the timed loop holds whole periods, as for ``poseidon-localsgd`` and ``poseidon-diloco``; no warm-up,
+torch's default) and ``one-host`` (host 0 alone: one
 rank, one host's threads; its CPU floor is over one host's share of the cores). It prints a table and writes ``DIR/results.json`` and
 ``DIR/results.png``; per-rank logs go to ``DIR/logs``, raw worker results to ``DIR/runs``.
 
@@ -66,7 +67,8 @@ from poseidon_torch.bench.baselines import LOCALSGD, POWERSGD, TORCH_LOCALSGD_WA
 from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, add_placement_arguments, free_port, \
     fresh_dir, rank_env, run_placed, run_ranks, threads_per_rank, write_report
 from poseidon_torch.bench.netns import parse_delay, parse_rate
-from poseidon_torch.bench.worker import ALONE_MODES, DEFAULT_MODES, MODES, POSEIDON_MODES, add_device_arguments
+from poseidon_torch.bench.worker import ALONE_MODES, DEFAULT_MODES, MODES, PERIODIC_MODES, POSEIDON_MODES, \
+    add_device_arguments
 from poseidon_torch.extras import require
 from poseidon_torch.bench.workloads import MAIN_WORKLOADS, WORKLOADS
 
@@ -99,9 +101,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if POWERSGD in args.modes and args.warmup < 2:
         parser.error(f"{POWERSGD} compresses from step --warmup on, so that the timed loop times compressed "
                      f"steps, and torch's PowerSGD cannot start before step 2: give --warmup 2 or more")
-    if LOCALSGD in args.modes and args.iters % args.localsgd_period:
-        parser.error(f"{LOCALSGD} averages every --localsgd-period ({args.localsgd_period}) steps: give --iters "
-                     f"a multiple of it, so that the timed loop holds whole periods")
+    periodic = sorted(set(args.modes) & {LOCALSGD, *PERIODIC_MODES})
+    if periodic and args.iters % args.localsgd_period:
+        parser.error(f"{', '.join(periodic)} average every --localsgd-period ({args.localsgd_period}) steps: give "
+                     f"--iters a multiple of it, so that the timed loop holds whole periods")
     try:
         args.bandwidth_bps = parse_rate(args.bandwidth)
         args.latency = parse_delay(args.latency) if args.latency else None

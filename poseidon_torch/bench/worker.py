@@ -18,7 +18,10 @@ torch refuses that overlap on gloo, pytorch#62300, so on gloo ZeRO steps after b
 ``poseidon-server`` (PoseidonDDP hybrid + ServerOptimizer: the owners apply the update) and
 ``poseidon-server-lazy`` (the same with ``lazy_pull=True``: the pulls overlap the next forward) and
 ``poseidon-server-lazy-priority`` (lazy pulls, those still running at the end of backward input side
-first: ``POSEIDON_PULL_PRIORITY=1``, to measure what the priority gives). The baselines of a slow network
+first: ``POSEIDON_PULL_PRIORITY=1``, to measure what the priority gives). ``poseidon-localsgd`` and
+``poseidon-diloco`` are PoseidonDDP's periodic modes (``sync_every`` = ``--localsgd-period``, the period of
+torch's local SGD baseline; DiLoCo with the paper's outer Nesterov SGD), the user's optimizer inside. The
+baselines of a slow network
 (:mod:`~poseidon_torch.bench.baselines`): ``torch-ddp-powersgd``, ``torch-ddp-localsgd`` and ``one-host``
 (a world of one rank, the runner starts it alone). The compressed modes: ``poseidon-powersgd`` (PoseidonDDP
 hybrid with ``compression={"powersgd": ...}`` at the baseline's ``--powersgd-rank`` and
@@ -39,7 +42,7 @@ Invariants:
   loop, batch building left out as in the time, divided by the iterations.
 - Bytes per iteration per host: with ``--wire-iface`` the interface's ``tx_bytes`` delta over the timed loop
   (real wire bytes, headers included; read inside the rank's network namespace); otherwise PoseidonDDP's
-  ``comm_stats.bytes_sent_last_iteration`` summed over the timed loop, for torch DDP the ring
+  ``comm_stats.bytes_sent_total`` grown over the timed loop, for torch DDP the ring
   all-reduce volume 2(P-1)/P x parameter bytes (buffer broadcasts not counted), and for the PowerSGD and
   local SGD baselines the bytes the rank's process wrote over the timed loop (``sent``: ``wchar`` of
   ``/proc/self/io``, i.e. its socket writes, payload without headers; the loop writes no file). The
@@ -77,11 +80,14 @@ SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy
 DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2, "poseidon-ps-delay1": 1, "poseidon-powersgd-delay1": 1}
 #: the lossy path each compressed mode names (``compression=``)
 COMPRESSION_MODES = {"poseidon-powersgd": "powersgd", "poseidon-powersgd-delay1": "powersgd", "poseidon-bf16": "bf16"}
+#: periodic averaging, ``sync_every`` = the local SGD baseline's period: whether DiLoCo's outer optimizer runs
+PERIODIC_MODES = {"poseidon-localsgd": False, "poseidon-diloco": True}
 PS_ONLY_MODES = ("poseidon-ps", "poseidon-ps-python", "poseidon-ps-delay1")  #: every layer on the PS path
 POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES, *DELAY_MODES,
-                  *COMPRESSION_MODES)
+                  *COMPRESSION_MODES, *PERIODIC_MODES)
 MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero", *SERVER_MODES,
-         *(mode for mode in DELAY_MODES if mode not in COMPRESSION_MODES), *BASELINE_MODES, *COMPRESSION_MODES)
+         *(mode for mode in DELAY_MODES if mode not in COMPRESSION_MODES), *PERIODIC_MODES, *BASELINE_MODES,
+         *COMPRESSION_MODES)
 DEFAULT_MODES = MODES[:4]
 #: modes whose ranks never communicate while they train
 ALONE_MODES = ("compute-only", ONE_HOST)
@@ -121,7 +127,7 @@ def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None,
     if mode in (POWERSGD, LOCALSGD):
         return lambda module: wrap(mode, module, baselines)
     try:
-        from poseidon_torch import PoseidonDDP
+        from poseidon_torch import DILOCO_OUTER, PoseidonDDP
     except ImportError as exc:
         raise RuntimeError(f"mode {mode} needs poseidon_torch.PoseidonDDP, "
                            f"which is not importable: {exc}") from exc
@@ -129,9 +135,12 @@ def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None,
     engine = "python" if mode == "poseidon-ps-python" else "native"
     if mode == "poseidon-server-lazy-priority":
         os.environ["POSEIDON_PULL_PRIORITY"] = "1"
+    periodic = {}
+    if mode in PERIODIC_MODES:
+        periodic = {"sync_every": baselines.localsgd_period, "outer": DILOCO_OUTER if PERIODIC_MODES[mode] else None}
     return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=timeout, trace_dir=trace_dir,
                                       engine=engine, delay=DELAY_MODES.get(mode, 0),
-                                      compression=compression_for(mode, baselines))
+                                      compression=compression_for(mode, baselines), **periodic)
 
 
 def compression_for(mode: str, baselines: Baselines) -> dict | None:
@@ -254,7 +263,8 @@ def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, r
     tx_start = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
     written_start = written_bytes()
     cpu_start = cpu_seconds()
-    times, losses, api_bytes = [], [], 0
+    times, losses = [], []
+    api_start = model.comm_stats.bytes_sent_total if args.mode in POSEIDON_MODES else 0
     loop_start, batching_s, batching_cpu_s = time.perf_counter(), 0.0, 0.0
     for step in range(args.warmup, args.warmup + args.iters):
         built, built_cpu = time.perf_counter(), cpu_seconds()
@@ -264,8 +274,8 @@ def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, r
         batching_cpu_s += cpu_seconds() - built_cpu
         losses.append(train_step(runs, optimizer, batch, workload.loss_fn))
         times.append(time.perf_counter() - start)
-        if args.mode in POSEIDON_MODES:
-            api_bytes += model.comm_stats.bytes_sent_last_iteration
+    # every pass closed in the loop (a periodic mode closes one per sync, not one per step)
+    api_bytes = model.comm_stats.bytes_sent_total - api_start if args.mode in POSEIDON_MODES else 0
     loop_s = time.perf_counter() - loop_start - batching_s  # the batches are built off the clock
     tx_end = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
     written_end = written_bytes()

@@ -10,7 +10,8 @@ Each mode runs after the other (one worker process per host, :mod:`~poseidon_tor
 ``one-host``: host 0's alone), from the same initial weights and the same data order. The baselines of a
 slow network (:mod:`~poseidon_torch.bench.baselines`: ``torch-ddp-powersgd``, ``torch-ddp-localsgd``,
 ``one-host``) take ``--powersgd-rank``, ``--powersgd-start-iter``, ``--localsgd-period`` and
-``--localsgd-warmup``. The run writes ``DIR/results.json`` (every evaluated point of every mode, the
+``--localsgd-warmup``; PoseidonDDP's periodic modes (``poseidon-localsgd``, ``poseidon-diloco``) sync every
+``--localsgd-period`` steps too. The run writes ``DIR/results.json`` (every evaluated point of every mode, the
 configuration, the derived numbers), ``DIR/results.png`` (validation metric against training seconds and
 against steps) and prints a table (:mod:`~poseidon_torch.bench.accuracy.report`): steps, training
 seconds, seconds per step, samples/s, bytes sent per step per host, the final metric, seconds to the

@@ -27,6 +27,10 @@ Invariants:
   rank's own parameters, as without evaluations. The average counts in that point's time (delivering that
   model costs it) but not in the training after it, and its bytes are not counted. After the last step
   every rank averages its own parameters (counted: the job ends with one model), unless that step did.
+  PoseidonDDP's periodic modes (``poseidon-localsgd``, ``poseidon-diloco``: ``sync_every`` =
+  ``--localsgd-period``) are evaluated the same way; their ranks agree after every H-th step (DiLoCo's
+  model there is the outer optimizer's), and between syncs, and after a last step that did not sync,
+  the model every host would hold is taken as the average of their parameters (no outer step).
 - Bytes per step: what each rank sends while it trains, evaluations and progress lines left out: its
   interface's ``tx_bytes`` with ``--wire-iface`` (netns mode, headers included), else what its process
   writes (``/proc/self/io``'s ``wchar``: its socket writes, payload only).
@@ -40,7 +44,7 @@ Invariants:
   finishes a step before every rank's backward of that step (DDP, its hooks, the BSP modes); ``n + 2``
   under Pipe-SGD and lazy pulls, where a rank waits for a step's sync only in the next step, so it may
   finish one step more than another and have started the next before rank 0 publishes; and local SGD's
-  next step that all-reduces (its ranks meet only there).
+  (torch's or PoseidonDDP's periodic modes') next step that syncs (their ranks meet only there).
 - Rank 0 writes the result; any error or running past ``--timeout`` ends the process non-zero.
 """
 from __future__ import annotations
@@ -62,11 +66,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from poseidon_torch.bench.accuracy.stragglers import Straggler, parse_straggler
 from poseidon_torch.bench.accuracy.tasks import TASKS, Task
-from poseidon_torch.bench.baselines import LOCALSGD, ONE_HOST, LocalSGDConsensus, add_baseline_arguments, \
-    baselines_from
+from poseidon_torch.bench.baselines import LOCALSGD, ONE_HOST, Baselines, LocalSGDConsensus, \
+    add_baseline_arguments, baselines_from
 from poseidon_torch.bench.launch import exit_worker, worker_main
-from poseidon_torch.bench.worker import DELAY_MODES, MODES, POSEIDON_MODES, STALE_MODES, make_optimizer, \
-    read_tx_bytes, wrapper_for, written_bytes
+from poseidon_torch.bench.worker import DELAY_MODES, MODES, PERIODIC_MODES, POSEIDON_MODES, STALE_MODES, \
+    make_optimizer, read_tx_bytes, wrapper_for, written_bytes
 
 DATA_SEED = 97
 CALIBRATION_STEPS = 5
@@ -200,6 +204,21 @@ class StopRule:
         return "own clock" if self.own_clock else "rank 0's clock, every rank after the same step"
 
 
+class PeriodicConsensus(LocalSGDConsensus):
+    """:class:`LocalSGDConsensus` for PoseidonDDP(sync_every=H) with H the local SGD period: the ranks agree
+    at the start and after every H-th step (the sync runs inside that step)."""
+
+    def _syncs(self, step: int) -> bool:
+        return step % self.period == 0
+
+
+def consensus_for(mode: str, baselines: Baselines) -> LocalSGDConsensus | None:
+    """When the ranks of ``mode`` agree, for the modes whose ranks meet only every few steps."""
+    if mode == LOCALSGD:
+        return LocalSGDConsensus(baselines)
+    return PeriodicConsensus(baselines) if mode in PERIODIC_MODES else None
+
+
 def meeting_rule(mode: str, consensus: LocalSGDConsensus | None) -> Callable[[int], int]:
     """The first step every rank can still stop after, once rank 0 has done ``n`` (module docstring)."""
     if consensus is not None:
@@ -228,7 +247,7 @@ def train(args: argparse.Namespace, task: Task, straggler: Straggler, store: dis
     model = wrapper_for(args.mode, args.timeout, baselines=baselines)(task.build_model())
     module = getattr(model, "module", model)
     optimizer = make_optimizer(args.mode, model, *task.optimizer, baselines)
-    consensus = LocalSGDConsensus(baselines) if args.mode == LOCALSGD else None
+    consensus = consensus_for(args.mode, baselines)
     read_sent = sent_bytes_reader(args.wire_iface)
     clock, sent = Clock(), Clock(read_sent or (lambda: 0.0))
     snapshots, step_end_s, losses, pauses, digests = [], [], [], [], {}
