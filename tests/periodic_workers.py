@@ -195,3 +195,35 @@ def optimizer_steps(rank: int, world_size: int) -> dict:
     error = _error_of(second.step)
     wrapped.close()
     return {"syncs": syncs, "second": error}
+
+
+def peer_exits_before_a_sync(rank: int, world_size: int) -> dict:
+    """sync_every=2: both ranks take step 1 (local), then rank 1 dies; rank 0's step 2 must fail within the
+    timeout, keep its own round end in the parameters, and refuse the next forward."""
+    import os
+    import time
+
+    model = build(SPEC, seed=0)
+    wrapped = PoseidonDDP(model, timeout=10, sync_every=2)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+    _steps(SPEC, wrapped, opt, rank, world_size, 0, 1)
+    if rank == 1:
+        os._exit(3)
+    opt.zero_grad()
+    x, y = batch(SPEC, 1, 3, world_size)
+    F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    start, error = time.monotonic(), None
+    try:
+        opt.step()
+    except Exception as exc:  # the test inspects type and message
+        error = exc
+    elapsed = time.monotonic() - start
+    stepped = any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    try:
+        wrapped(shard(x, rank, 3))
+        after = "forward ran"
+    except Exception as exc:
+        after = f"{type(exc).__name__}: {exc}"
+    return {"error_type": type(error).__name__ if error else None, "error": str(error), "elapsed": elapsed,
+            "stepped": stepped, "next_forward": after}

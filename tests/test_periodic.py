@@ -185,3 +185,15 @@ def test_a_step_is_one_outermost_step_of_one_optimizer(cluster):
     for result in cluster.run(pw.optimizer_steps):
         assert result["syncs"] == [0, 1, 1, 2]
         assert result["second"][0] == "RuntimeError" and "use one optimizer with param groups" in result["second"][1]
+
+
+@pytest.mark.slow
+def test_a_dead_peer_fails_the_sync_within_timeout(fresh_cluster):
+    """The survivor's H-th step() raises within the timeout, after its own update (its round end stays
+    in the parameters), and the next forward refuses."""
+    outcomes = fresh_cluster.run_outcomes(pw.peer_exits_before_a_sync, timeout=60)
+    assert 1 not in outcomes and fresh_cluster.exit_code(1) == 3
+    survivor = outcomes[0]
+    assert survivor.ok, survivor.value
+    assert survivor.value["error_type"] in ("SyncError", "SyncTimeout") and survivor.value["elapsed"] < 10 + 5
+    assert survivor.value["stepped"] and "cannot continue" in survivor.value["next_forward"]
