@@ -166,6 +166,7 @@ def refusals(rank: int, world_size: int) -> dict:
         "outer bad argument": lambda: wrap(sync_every=2, outer=functools.partial(torch.optim.SGD, lr=0.7, nesterov=True)),
         "with delay": lambda: wrap(sync_every=2, delay=1),
         "SFB override": lambda: wrap(sync_every=2, fusion_bytes=0, overrides={"head": "SFB"}),
+        "with compression": lambda: wrap(sync_every=2, compression="powersgd"),
     }
     errors = {case: _error_of(make) for case, make in cases.items()}
 

@@ -172,6 +172,7 @@ def test_bad_options_and_combinations_are_refused_by_name(cluster):
         "outer bad argument": ("ValueError", "Nesterov"),
         "with delay": ("ValueError", "choose one"),
         "SFB override": ("ValueError", "from their factors"),
+        "with compression": ("ValueError", "compression= with sync_every=2 is not supported"),
         "ServerOptimizer": ("RuntimeError", "drop sync_every"),
         "join": ("RuntimeError", "join() (uneven inputs) is not supported with sync_every=2"),
     }
