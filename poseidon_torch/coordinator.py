@@ -194,26 +194,34 @@ class Coordinator:
 
     def _plan(self) -> dict[str, str]:
         """Every layer's path off the default one: as forced, or chosen by cost (FC layers, and the layers
-        a named lossy path could take); a lossy path chosen by cost waits for its ``start_iter``."""
+        a named lossy path could take); a lossy path chosen by cost waits for its ``start_iter``, and until
+        then the layer takes the best path that has started (an FC layer keeps SFB where it pays)."""
         chosen = {name: path for name, path in self.overrides.items()
                   if path != self.default and not self.paths[path].factors}
         self.waiting = {}
         for name in dict.fromkeys((*self.fc, *self.compressible)):
-            path = chosen.get(name) or self._choose(name)
-            if path is None or name in chosen:
+            if name in chosen:
                 continue
-            if self.paths[path].exact or self.passes >= self.paths[path].start_iter:
-                chosen[name] = path
-            else:
+            path = self._choose(name)
+            if path is not None and not self._started(path):
                 self.waiting[name] = path
+                path = self._choose(name, started_only=True)
+            if path is not None:
+                chosen[name] = path
         return chosen
+
+    def _started(self, path: str) -> bool:
+        """Whether ``path`` may carry a layer chosen by cost this pass: an exact one always, a lossy one
+        from its ``start_iter``-th synced pass on."""
+        return self.paths[path].exact or self.passes >= self.paths[path].start_iter
 
     def _barred(self, name: str, path: str) -> bool:
         """A sticky fact keeps FC layer ``name`` off factor paths for good."""
         return self.paths[path].factors and bool(self.sticky.get(name))
 
-    def _choose(self, name: str) -> str | None:
-        """Layer ``name``'s path off the default one for the next pass, or None."""
+    def _choose(self, name: str, started_only: bool = False) -> str | None:
+        """Layer ``name``'s path off the default one for the next pass, or None; with ``started_only``,
+        among the paths that have started (:meth:`_started`)."""
         forced = self.overrides.get(name)
         if forced is not None and self._barred(name, forced):
             if name not in self._warned:
@@ -235,6 +243,8 @@ class Coordinator:
         default = self._predict(self.paths[self.default], nbytes, params, fc)
         best, best_seconds = None, default.seconds if self.learned else self.link.beta_s_per_byte * default.bytes
         for path in self.candidates(name):
+            if started_only and not self._started(path.name):
+                continue
             predicted = self._predict(path, nbytes, params, fc)
             if predicted is not None and predicted.seconds < best_seconds:
                 best, best_seconds = path.name, predicted.seconds

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +17,7 @@ import compression_workers as cw
 from models import ModelSpec, build
 from poseidon_torch.bucket import Layer, build_buckets, find_layers
 from poseidon_torch.coordinator import Coordinator
+from poseidon_torch.fc import FCLayer, fc_spec
 from poseidon_torch.link import LinkModel
 from poseidon_torch.paths import Paths, PathEnv, compression_option, path_class
 from poseidon_torch.paths.powersgd import initial_q
@@ -369,6 +371,25 @@ def test_a_lossy_path_waits_for_its_start_iter():
         seen.append(dict(coordinator.chosen))
         assert coordinator.wanted_solo() == {"layers.0"}  # kept alone while it waits
     assert seen == [{}, {}, {"layers.0": "PowerSGD"}, {"layers.0": "PowerSGD"}], seen
+
+
+def test_an_fc_layer_keeps_sfb_while_powersgd_waits():
+    """A 1024 x 1024 FC layer at K = 64 over 0.1 Gbit/s: PowerSGD wins by cost, SFB beats PS; until
+    PowerSGD's start_iter the layer goes on SFB (the best started path), not on the default PS path."""
+    module = nn.Linear(1024, 1024)
+    fc = {"layers.0": FCLayer("layers.0", module, fc_spec(module), lambda: False, lambda: False)}
+    compression = compression_option({"powersgd": {"start_iter": 3}})
+    paths = Paths.build(PathEnv(0, 2, 2 << 20, torch.device("cpu"), settings=compression))
+    coordinator = Coordinator(fc, 2, LinkModel.from_gbps(0.1), 50e9, paths=paths,
+                              layers=model_of((((1024, 1024),),)), lossy=tuple(compression), memory_bps=10e9)
+    coordinator.buckets_changed({"layers.0"}, learned=True)
+    seen = []
+    for _ in range(4):
+        coordinator.observe(torch.tensor([[0, 0, 0, 64, 0]] * 2, dtype=torch.int64), 1)
+        seen.append((dict(coordinator.chosen), dict(coordinator.waiting)))
+    waiting = ({"layers.0": "SFB"}, {"layers.0": "PowerSGD"})
+    started = ({"layers.0": "PowerSGD"}, {})
+    assert seen == [waiting, waiting, started, started], seen
 
 
 # ---- the option ---------------------------------------------------------------------------------------
