@@ -58,14 +58,18 @@ def broadcast_from(tensors: Iterable[torch.Tensor], data: Collectives, staged: b
 
 
 def average_into(tensors: Sequence[torch.Tensor], collectives: Collectives) -> None:
-    """Replace ``tensors`` by their average over the ranks, summed on the host (half precision in fp32), one
-    collective per dtype and device: every rank ends with the same values."""
+    """Replace ``tensors`` by their average over the ranks, summed on the host (half precision in fp32), two
+    collectives per dtype and device: every rank ends with the same values, and a value the same on every
+    rank is kept bit for bit (rank 0's value plus the mean of the differences from it: a buffer that never
+    changes, such as rotary frequencies, does not drift by the rounding of sum / P)."""
     with torch.no_grad():
         for kind_tensors in _by_kind(tensors).values():
             wide = torch.float32 if kind_tensors[0].element_size() < 4 else kind_tensors[0].dtype
             flat = torch.cat([t.detach().reshape(-1).to("cpu", wide) for t in kind_tensors])
-            collectives.all_reduce(flat)
-            _unflatten_into(kind_tensors, flat.div_(collectives.size))
+            reference = flat.clone()
+            collectives.broadcast(reference, 0)
+            collectives.all_reduce(flat.sub_(reference))
+            _unflatten_into(kind_tensors, flat.div_(collectives.size).add_(reference))
 
 
 class BroadcastInFlight:

@@ -116,6 +116,8 @@ def bad_states(rank: int, world_size: int) -> dict:
         "bad steps": {"delay": 0, "periodic": {**entry, "steps": -1}},
         "missing start": {"delay": 0, "periodic": {**entry, "start": {"head.weight": entry["start"]["head.weight"]}}},
         "bad shape": {"delay": 0, "periodic": {**entry, "start": {**entry["start"], "head.bias": torch.zeros(7)}}},
+        "no start mid-round": {"delay": 0, "periodic": {**entry, "start": None}},
+        "start at a round's end": {"delay": 0, "periodic": {**entry, "steps": 6}},  # H = 3
     }
     errors = {}
     for case, state in cases.items():
@@ -149,6 +151,18 @@ def _error_of(make) -> tuple[str, str] | None:
     return None
 
 
+def constant_buffer(rank: int, world_size: int) -> bool:
+    """A float buffer that never changes (random values, as rotary frequencies), through 2 syncs of local
+    SGD: whether it is still the same bits."""
+    model = build(SPEC, seed=0)
+    model.register_buffer("frequencies", torch.rand(512, generator=torch.Generator().manual_seed(0)))
+    before = model.frequencies.clone()
+    wrapped = PoseidonDDP(model, timeout=60, sync_every=2)
+    _steps(SPEC, wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.05), rank, world_size, 0, 4)
+    wrapped.close()
+    return torch.equal(model.frequencies, before)
+
+
 def refusals(rank: int, world_size: int) -> dict:
     """Each bad option or combination, built on every rank: the exception it raised (None: accepted)."""
     def wrap(**options):
@@ -167,6 +181,7 @@ def refusals(rank: int, world_size: int) -> dict:
         "with delay": lambda: wrap(sync_every=2, delay=1),
         "SFB override": lambda: wrap(sync_every=2, fusion_bytes=0, overrides={"head": "SFB"}),
         "with compression": lambda: wrap(sync_every=2, compression="powersgd"),
+        "lossy override": lambda: wrap(sync_every=2, fusion_bytes=0, overrides={"head": "BF16"}),
     }
     errors = {case: _error_of(make) for case, make in cases.items()}
 

@@ -94,6 +94,12 @@ def test_buffers_are_averaged_at_each_sync_unless_broadcast_buffers_is_off(clust
         assert all(torch.equal(r, running[0]) for r in running) == average
 
 
+def test_a_buffer_that_never_changes_keeps_its_bits(cluster):
+    """Averaging x over P ranks as sum / P changes about one value in six by an ulp at P = 3; the sync must
+    leave a buffer equal on every rank unchanged."""
+    assert all(cluster.run(pw.constant_buffer))
+
+
 def test_a_step_every_rank_skips_is_no_step(cluster):
     """A backward that raises on every rank, its step skipped: the round counts the steps taken."""
     h, steps, spec = 2, 6, ModelSpec(widths=(8, 5))
@@ -156,6 +162,8 @@ def test_wrong_consistency_states_are_refused_and_change_nothing(cluster):
         assert "sync_every=2" in result["errors"]["other H"] and "local-sgd" in result["errors"]["local sgd state"]
         assert "'steps'" in result["errors"]["bad steps"] and "'start'" in result["errors"]["missing start"]
         assert "head.bias" in result["errors"]["bad shape"] and "sync_every=H" in result["errors"]["into bsp"]
+        assert "must be there exactly when 'steps' is not a multiple" in result["errors"]["no start mid-round"]
+        assert "it was there at steps=" in result["errors"]["start at a round's end"]
         assert result["unchanged"]
 
 
@@ -173,6 +181,7 @@ def test_bad_options_and_combinations_are_refused_by_name(cluster):
         "with delay": ("ValueError", "choose one"),
         "SFB override": ("ValueError", "from their factors"),
         "with compression": ("ValueError", "compression= with sync_every=2 is not supported"),
+        "lossy override": ("ValueError", "overrides put ['head'] on the lossy path(s) ['BF16']"),
         "ServerOptimizer": ("RuntimeError", "drop sync_every"),
         "join": ("RuntimeError", "join() (uneven inputs) is not supported with sync_every=2"),
     }

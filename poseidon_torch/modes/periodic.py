@@ -37,7 +37,7 @@ import copy
 import functools
 import sys
 import weakref
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,10 +118,22 @@ def _outer_parts(outer: object) -> tuple[type[Optimizer] | None, dict[str, Any]]
     return cls, kwargs
 
 
-def check_periodic(options: PeriodicOptions | None, delay: int, overrides: Mapping[str, str]) -> None:
-    """Refuse what makes no sense with periodic averaging (at construction, on every rank)."""
+def check_periodic(options: PeriodicOptions | None, delay: int, overrides: Mapping[str, str],
+                   compression: Collection[str] = ()) -> None:
+    """Refuse what makes no sense with periodic averaging (at construction, on every rank): another
+    consistency mode, and paths that could not carry parameters or pseudo-gradients (factor paths, and
+    lossy ones, whose error feedback is built for gradients)."""
     if options is None:
         return
+    if compression:
+        raise ValueError(f"compression= with sync_every={options.sync_every} is not supported: the periodic sync "
+                         "averages parameters (or DiLoCo's pseudo-gradients), which the lossy paths' error feedback "
+                         "is not built for; drop one of them")
+    lossy = sorted(name for name, path in overrides.items() if not path_class(path).exact)
+    if lossy:
+        raise ValueError(f"overrides put {lossy} on the lossy path(s) {sorted({overrides[n] for n in lossy})}; with "
+                         f"sync_every={options.sync_every} the sync carries parameters or pseudo-gradients, which "
+                         "they would round or project: name an exact path, or leave those layers out")
     if delay:
         raise ValueError(f"PoseidonDDP options delay={delay} (Pipe-SGD: every step's averaged gradient, k steps late) "
                          f"and sync_every={options.sync_every} (the parameters averaged every H steps, no gradient "
@@ -219,8 +231,9 @@ class Periodic(Mode):
     def round_state(self, names: dict[int, str]) -> dict:
         return {}
 
-    def load_round(self, entry: dict, params: dict[str, nn.Parameter]) -> None:
-        """Restore :meth:`round_state` (checked first: a bad entry changes nothing)."""
+    def load_round(self, entry: dict, params: dict[str, nn.Parameter], mid_round: bool) -> None:
+        """Restore :meth:`round_state` (checked first: a bad entry changes nothing); ``mid_round``: the
+        saved step count is not a multiple of H."""
 
     # ---- the engine starts ------------------------------------------------------------------------
 
@@ -279,9 +292,9 @@ class Periodic(Mode):
         """The outer sync (collective: every rank after its H-th inner step of the round)."""
         engine = self.engine
         engine.sync_now()
+        self.round_ends()  # before the buffers: a failure there leaves the round complete, not half applied
         if self.options.average_buffers and engine.world_size > 1:
             average_into([b for b in engine.module.buffers() if b.is_floating_point()], engine.control)
-        self.round_ends()
 
     # ---- what it supports, what it keeps ----------------------------------------------------------
 
@@ -309,7 +322,7 @@ class Periodic(Mode):
         steps = entry.get("steps")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             raise ValueError(f"consistency state 'steps' must be an int >= 0, got {steps!r}")
-        self.load_round(entry, params)
+        self.load_round(entry, params, mid_round=steps % self.sync_every != 0)
         self.steps = steps
 
     def trace_args(self) -> dict:
@@ -375,8 +388,12 @@ class DiLoCo(Periodic):
         start = None if self._start is None else {names[key]: value.clone() for key, value in self._start.items()}
         return {"start": start, "outer": copy.deepcopy(self.outer.state_dict())}
 
-    def load_round(self, entry: dict, params: dict[str, nn.Parameter]) -> None:
+    def load_round(self, entry: dict, params: dict[str, nn.Parameter], mid_round: bool) -> None:
         start = entry.get("start")
+        if mid_round != (start is not None):
+            raise ValueError("consistency state 'start' (the round's start parameters) must be there exactly when "
+                             f"'steps' is not a multiple of sync_every={self.sync_every}: it was "
+                             f"{'missing' if mid_round else 'there'} at steps={entry.get('steps')!r}")
         if start is not None:
             if not isinstance(start, dict) or set(start) != {n for n, p in params.items() if id(p) in self._synced}:
                 raise ValueError("consistency state 'start' must hold every synced parameter by name "
