@@ -290,6 +290,9 @@ class Coordinator:
         for name, path in lossy.items():
             if name not in self.layers or path not in self.paths or self.paths[path].exact:
                 raise ValueError(f"the checkpoint puts layer {name!r} on {path!r}: not a layer and lossy path here")
+            if path not in self.lossy and self.overrides.get(name) != path:
+                raise ValueError(f"the checkpoint puts layer {name!r} on the lossy path {path!r}, which this PoseidonDDP "
+                                 "neither names in compression= nor forces: resume with compression= as when saved")
         self.passes = int(state.get("passes", 0))
         self.chosen.update({name: path for name, path in lossy.items() if name in self.solo})
 

@@ -154,11 +154,7 @@ class Options:
         if self.compression and not self.hybrid:
             raise ValueError("compression= chooses paths per layer, which needs hybrid=True (hybrid=False sends every "
                              "layer through the PS path, exactly)")
-        if self.compression and self.periodic is not None:
-            raise ValueError(f"compression= with sync_every={self.periodic.sync_every} is not supported: the periodic "
-                             "sync averages parameters (or DiLoCo's pseudo-gradients), which the lossy paths' error "
-                             "feedback is not built for; drop one of them")
-        check_periodic(self.periodic, self.delay, dict(self.overrides))
+        check_periodic(self.periodic, self.delay, dict(self.overrides), [path for path, _ in self.compression])
 
     @property
     def compression_settings(self) -> dict[str, dict[str, Any]]:
@@ -587,13 +583,17 @@ class PoseidonDDP(nn.Module, Joinable):
         trajectory: with ``delay=k``, the averaged gradients still in flight; with ``sync_every``, the steps
         taken and DiLoCo's outer optimizer state and round start; with a lossy path (``compression=``), its
         error-feedback residuals (and PowerSGD's warm-start Q) under ``"paths"`` and the coordinator's passes
-        and lossy layers under ``"coordinator"``. Collective (call it on
-        every rank, as ``ZeroRedundancyOptimizer.consolidate_state_dict``): it waits for the last sync."""
+        and lossy layers under ``"coordinator"``. The residuals differ between ranks, so ``"paths"`` holds
+        every rank's (``{"world_size": P, "ranks": [rank 0's, ...]}``): the copy one rank saves resumes every
+        rank. Collective (call it on every rank, as ``ZeroRedundancyOptimizer.consolidate_state_dict``): it
+        waits for the last sync."""
         engine = self._started_engine("consistency_state_dict()")
         engine.settle()
         names = {id(p): name for name, p in self.module.named_parameters()}
         state = engine.mode.state_dict(names)
-        paths = {name: kept for name, path in engine.paths.items() if (kept := path.state_dict())}
+        mine = {name: _on_cpu(kept) for name, path in engine.paths.items() if (kept := path.state_dict())}
+        everyone = self._groups.control.all_gather_objects(mine)
+        paths = {"world_size": self.world_size, "ranks": everyone} if any(everyone) else None
         plan = engine.coordinator.state_dict()
         return {**state, **({"paths": paths} if paths else {}), **({"coordinator": plan} if plan else {})}
 
@@ -601,13 +601,33 @@ class PoseidonDDP(nn.Module, Joinable):
         """Restore what :meth:`consistency_state_dict` saved (before the first step of the resumed run)."""
         engine = self._started_engine("load_consistency_state_dict()")
         engine.settle()
-        engine.mode.load_state_dict(state, dict(self.module.named_parameters()))
-        for name, kept in state.get("paths", {}).items():
+        mine = self._own_paths_state(state.get("paths"))
+        for name in mine:
             if name not in engine.paths:
                 raise ValueError(f"the consistency state has a state for path {name!r}, which is not registered")
+            if name not in engine.coordinator.lossy and name not in self._overrides.values():
+                raise ValueError(f"the consistency state holds path {name!r}'s residuals, and this PoseidonDDP neither "
+                                 f"names it in compression= nor forces it: resume with compression= as when saved, or "
+                                 f"drop its error feedback knowingly by deleting the state's 'paths' and 'coordinator'")
+        engine.mode.load_state_dict(state, dict(self.module.named_parameters()))
+        for name, kept in mine.items():
             engine.paths[name].load_state_dict(kept)
         if "coordinator" in state:
             engine.coordinator.load_state_dict(state["coordinator"])
+
+    def _own_paths_state(self, saved: object) -> dict:
+        """This rank's entry of a saved ``"paths"`` state (checked: saved by as many ranks as this run has)."""
+        if saved is None:
+            return {}
+        if not isinstance(saved, Mapping) or set(saved) != {"world_size", "ranks"} or \
+                not isinstance(saved["ranks"], list) or len(saved["ranks"]) != saved["world_size"]:
+            raise ValueError(f"the consistency state's 'paths' must be {{'world_size': P, 'ranks': [P states]}}, got "
+                             f"{saved!r:.80}")
+        if saved["world_size"] != self.world_size:
+            raise ValueError(f"the consistency state's residuals were saved by {saved['world_size']} ranks and this run "
+                             f"has {self.world_size}: each rank's residual is its own, so they cannot be split again; "
+                             "resume with as many ranks, or drop them knowingly by deleting the state's 'paths'")
+        return saved["ranks"][self._groups.control.rank]
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -709,6 +729,15 @@ def _check_materialised(module: nn.Module) -> None:
                     f"PoseidonDDP: {kind} {name!r} is on the meta device: materialise the model before wrapping "
                     f"it, e.g. model.to_empty(device='cpu') then initialise it (reset_parameters() on each "
                     f"module, or load_state_dict() of a checkpoint)")
+
+
+def _on_cpu(state: Any) -> Any:
+    """``state`` (nested dicts of tensors) with every tensor copied to the CPU, to gather and save."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, Mapping):
+        return {key: _on_cpu(value) for key, value in state.items()}
+    return state
 
 
 def _group_over(ranks: list[int]) -> Any:

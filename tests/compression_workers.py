@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import placement
@@ -92,11 +93,19 @@ def given_run(rank: int, world_size: int, layers: Layers, path: str, steps: int,
         out["outcomes"].append(dict(stats.outcome_by_bucket))
         out["bytes"].append(dict(stats.bytes_by_bucket))
         out["by_path"].append(dict(stats.bytes_by_path))
-    out["state"] = wrapped.consistency_state_dict()
+    out["state"] = own_state(wrapped)
     plan = wrapped.plan
     out["predicted"] = {row.name: row.predictions for row in plan.rows}
     wrapped.close()
     return out
+
+
+def own_state(wrapped: PoseidonDDP) -> dict:
+    """The wrapper's consistency state with ``"paths"`` narrowed to this rank's own entry."""
+    state = wrapped.consistency_state_dict()
+    if "paths" in state:
+        state["paths"] = state["paths"]["ranks"][dist.get_rank()]
+    return state
 
 
 def train(rank: int, world_size: int, spec: ModelSpec, options: dict, steps: int, size: int,
@@ -112,8 +121,9 @@ def train(rank: int, world_size: int, spec: ModelSpec, options: dict, steps: int
     out: dict = {"params": [], "outcomes": []}
     for step in range(steps):
         if step == resume_at:
-            saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(),
-                     wrapped.consistency_state_dict())
+            consistency = [wrapped.consistency_state_dict()]
+            dist.broadcast_object_list(consistency, src=0)  # rank 0's copy resumes every rank, as a framework's
+            saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(), consistency[0])
             wrapped.close()
             model = build(spec, seed=spec.seed + 1)  # other values: everything must come from the checkpoint
             model.load_state_dict(saved[0])
@@ -130,6 +140,43 @@ def train(rank: int, world_size: int, spec: ModelSpec, options: dict, steps: int
         out["outcomes"].append(dict(wrapped.comm_stats.outcome_by_bucket))
     wrapped.close()
     return out
+
+
+def refused_states(rank: int, world_size: int, spec: ModelSpec, options: dict) -> dict:
+    """Two steps under ``options`` (a lossy path forced), then the saved consistency state, altered, loaded
+    into fresh wrappers: the error of each case ("type: message"), and whether the last case's wrapper
+    then trains on as before (a refused load changed nothing)."""
+    saved = train_state(rank, world_size, spec, options)
+    lossless = {key: value for key, value in options.items() if key not in ("compression", "overrides")}
+    cases = {
+        "without compression=": (lossless, saved),
+        "other world size": (options, {**saved, "paths": {**saved["paths"], "world_size": world_size + 1,
+                                                           "ranks": saved["paths"]["ranks"] + saved["paths"]["ranks"][:1]}}),
+        "old format": (options, {**saved, "paths": saved["paths"]["ranks"][rank]}),
+        "coordinator only": (lossless, {key: value for key, value in saved.items() if key != "paths"}),
+    }
+    errors = {}
+    for case, (wrapper_options, state) in cases.items():
+        wrapped = PoseidonDDP(build(spec, seed=spec.seed), timeout=60, **wrapper_options)
+        try:
+            wrapped.load_consistency_state_dict(state)
+            errors[case] = ""
+        except Exception as exc:  # noqa: BLE001 - the test compares the type and message
+            errors[case] = f"{type(exc).__name__}: {exc}"
+        wrapped.close()
+    return errors
+
+
+def train_state(rank: int, world_size: int, spec: ModelSpec, options: dict) -> dict:
+    """The consistency state after two SGD steps of ``spec``'s model under ``PoseidonDDP(**options)``."""
+    model = build(spec, seed=spec.seed)
+    wrapped = PoseidonDDP(model, timeout=60, **options)
+    for step in range(2):
+        x, y = batch(spec, step, 4, world_size)
+        torch.nn.functional.mse_loss(wrapped(shard(x, rank, 4)), shard(y, rank, 4)).backward()
+    state = wrapped.consistency_state_dict()
+    wrapped.close()
+    return state
 
 
 def construct(rank: int, world_size: int, options: dict, server: bool = False) -> str:
@@ -167,6 +214,6 @@ def late_gradient(rank: int, world_size: int, path: str) -> dict:
 
     results = run_steps(model, 4, step, rank)
     out = {"steps": results, "late": model.comm_stats.jobs_last_iteration > len(model.bucket_names),
-           "planned": model.plan.layer_paths(), "state": model.consistency_state_dict()}
+           "planned": model.plan.layer_paths(), "state": own_state(model)}
     model.close()
     return out

@@ -392,6 +392,19 @@ def test_an_fc_layer_keeps_sfb_while_powersgd_waits():
     assert seen == [waiting, waiting, started, started], seen
 
 
+def test_a_checkpoint_with_residuals_is_refused_where_it_cannot_resume(cluster):
+    """Residuals (and layers on a lossy path) loaded into a wrapper without compression=, into another
+    number of ranks, or in another layout: refused by name on every rank, instead of dropped or misread."""
+    options = {"fusion_bytes": 0, "overrides": {layer.name: "PowerSGD" for layer in find_layers(build(SPEC, 0))},
+               "compression": {"powersgd": {"start_iter": 1}}}
+    for errors in cluster.run(cw.refused_states, SPEC, options):
+        assert "neither names it in compression= nor forces it" in errors["without compression="], errors
+        assert f"saved by {cluster.world_size + 1} ranks and this run has {cluster.world_size}" in \
+            errors["other world size"], errors
+        assert "'paths' must be {'world_size': P" in errors["old format"], errors
+        assert "neither names in compression= nor forces" in errors["coordinator only"], errors
+
+
 # ---- the option ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value, error", [

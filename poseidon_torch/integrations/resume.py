@@ -4,8 +4,9 @@ with ``delay=k``, a ``ServerOptimizer(delay=k)``'s values not read yet, or with 
 steps taken and DiLoCo's outer optimizer state).
 
 Invariants: the state is the same on every rank (the averages and the pulled values are bit-identical
-on every rank, and so are a periodic mode's step count, round start and outer state), so the copy the
-main process writes serves every rank; a run that keeps nothing (BSP, SSP) saves nothing, so its
+on every rank, and so are a periodic mode's step count, round start and outer state; the lossy paths'
+residuals, which differ, are gathered into every rank's copy, each rank loading its own), so the copy
+the main process writes serves every rank; a run that keeps nothing (BSP, SSP) saves nothing, so its
 checkpoints load into any mode, as before.
 """
 from __future__ import annotations
