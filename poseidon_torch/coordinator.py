@@ -284,6 +284,13 @@ class Coordinator:
 
     def load_state_dict(self, state: object) -> None:
         """Restore :meth:`state_dict` before the first pass (the layers it names are alone in a bucket)."""
+        lossy = self.checked_state(state)
+        self.passes = int(state.get("passes", 0))
+        self.chosen.update({name: path for name, path in lossy.items() if name in self.solo})
+
+    def checked_state(self, state: object) -> dict[str, str]:
+        """The lossy layers of a :meth:`state_dict`, checked (changes nothing: a refusal comes before any
+        part of a consistency state is loaded)."""
         if not isinstance(state, Mapping) or set(state) - {"passes", "lossy"}:
             raise ValueError(f"not a coordinator state (a dict of 'passes' and 'lossy'): {state!r:.80}")
         lossy = dict(state.get("lossy", {}))
@@ -293,8 +300,7 @@ class Coordinator:
             if path not in self.lossy and self.overrides.get(name) != path:
                 raise ValueError(f"the checkpoint puts layer {name!r} on the lossy path {path!r}, which this PoseidonDDP "
                                  "neither names in compression= nor forces: resume with compression= as when saved")
-        self.passes = int(state.get("passes", 0))
-        self.chosen.update({name: path for name, path in lossy.items() if name in self.solo})
+        return lossy
 
     # ---- the printable plan ---------------------------------------------------------------------
 

@@ -609,9 +609,17 @@ class PoseidonDDP(nn.Module, Joinable):
                 raise ValueError(f"the consistency state holds path {name!r}'s residuals, and this PoseidonDDP neither "
                                  f"names it in compression= nor forces it: resume with compression= as when saved, or "
                                  f"drop its error feedback knowingly by deleting the state's 'paths' and 'coordinator'")
-        engine.mode.load_state_dict(state, dict(self.module.named_parameters()))
-        for name, kept in mine.items():
-            engine.paths[name].load_state_dict(kept)
+        if "coordinator" in state:
+            engine.coordinator.checked_state(state["coordinator"])
+        own = {name: engine.paths[name].state_dict() for name in mine}  # put back if a later part is refused
+        try:
+            for name, kept in mine.items():
+                engine.paths[name].load_state_dict(kept)
+            engine.mode.load_state_dict(state, dict(self.module.named_parameters()))
+        except Exception:
+            for name, kept in own.items():
+                engine.paths[name].load_state_dict(kept)
+            raise
         if "coordinator" in state:
             engine.coordinator.load_state_dict(state["coordinator"])
 

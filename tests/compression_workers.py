@@ -217,3 +217,20 @@ def late_gradient(rank: int, world_size: int, path: str) -> dict:
            "planned": model.plan.layer_paths(), "state": own_state(model)}
     model.close()
     return out
+
+
+def refused_load_changes_nothing(rank: int, world_size: int, spec: ModelSpec, saved_with: dict, loaded_with: dict
+                                 ) -> tuple[str, dict, dict]:
+    """The consistency state after two backwards under ``saved_with``, loaded into a fresh wrapper built
+    with ``loaded_with``: the error, and the fresh wrapper's consistency state before and after the load."""
+    saved = train_state(rank, world_size, spec, saved_with)
+    wrapped = PoseidonDDP(build(spec, seed=spec.seed), timeout=60, **loaded_with)
+    before = wrapped.consistency_state_dict()
+    try:
+        wrapped.load_consistency_state_dict(saved)
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    after = wrapped.consistency_state_dict()
+    wrapped.close()
+    return error, before, after

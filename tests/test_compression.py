@@ -425,3 +425,19 @@ def test_compression_needs_hybrid_and_refuses_a_server_optimizer(cluster):
         assert message.startswith("NotImplementedError") and "compressed pushes" in message, message
     for message in cluster.run(cw.construct, {"compression": {"powersgd": {"rank": 2}}}):
         assert message == ""
+
+
+def test_a_refused_checkpoint_changes_nothing(cluster):
+    """A state refused by its last part (PowerSGD's Q saved at rank 1, loaded where rank=2) leaves the
+    wrapper as it was: not the Pipe-SGD gradients in flight nor the coordinator's passes, loaded before
+    the refusal (the docs promise "refused by name, changing nothing")."""
+    spec = ModelSpec(in_features=16, widths=(32, 32), out_features=4)
+    overrides = {layer.name: "PowerSGD" for layer in find_layers(build(spec, 0))}
+    saved_with = {"fusion_bytes": 0, "delay": 1, "overrides": overrides,
+                  "compression": {"powersgd": {"rank": 1, "start_iter": 1}}}
+    loaded_with = {**saved_with, "compression": {"powersgd": {"rank": 2, "start_iter": 1}}}
+    for error, before, after in cluster.run(cw.refused_load_changes_nothing, spec, saved_with, loaded_with):
+        assert error.startswith("path 'PowerSGD': the checkpoint") and " q " in error, error
+        assert before.keys() == after.keys(), (before.keys(), after.keys())
+        assert len(after["in_flight"]) == len(before["in_flight"]), after["in_flight"]
+        assert after.get("coordinator") == before.get("coordinator"), (before, after)
