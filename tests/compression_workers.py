@@ -234,3 +234,26 @@ def refused_load_changes_nothing(rank: int, world_size: int, spec: ModelSpec, sa
     after = wrapped.consistency_state_dict()
     wrapped.close()
     return error, before, after
+
+
+def overflow_once(rank: int, world_size: int, layers: Layers, path: str, steps: int, bad_step: int) -> dict:
+    """``steps`` backwards of :class:`Given` with ``path`` forced on every layer, rank 0's first gradient
+    entry inf at ``bad_step`` (an fp16 overflow, whose step GradScaler skips); per step whether every
+    averaged gradient is finite, and the residuals before and after the bad step."""
+    model = Given(layers, torch.float32).to(placement.DEVICE)
+    everything = {f"layers.{i}": path for i in range(len(layers))}
+    settings = {"start_iter": 1, **({"rank": 1} if path == "PowerSGD" else {})}
+    wrapped = PoseidonDDP(model, fusion_bytes=0, overrides=everything, timeout=60,
+                          compression={path_class(path).option: settings})
+    out: dict = {"finite": [], "residuals": []}
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        grads = [g.to(placement.DEVICE) for g in gradients(layers, rank, step, torch.float32)]
+        if step == bad_step and rank == 0:
+            grads[0].view(-1)[0] = float("inf")
+        wrapped(grads).backward()
+        out["finite"].append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+        if step in (bad_step - 1, bad_step):
+            out["residuals"].append(own_state(wrapped)["paths"][path]["residual"])
+    wrapped.close()
+    return out

@@ -441,3 +441,17 @@ def test_a_refused_checkpoint_changes_nothing(cluster):
         assert before.keys() == after.keys(), (before.keys(), after.keys())
         assert len(after["in_flight"]) == len(before["in_flight"]), after["in_flight"]
         assert after.get("coordinator") == before.get("coordinator"), (before, after)
+
+
+def test_an_overflowed_step_leaves_the_residuals_as_they_were(cluster):
+    """An inf in one rank's gradient (an fp16 overflow under GradScaler, which skips that step) gives a
+    non-finite PowerSGD average on every rank for that step only: the residuals and the warm-start Q stay
+    as before it, instead of taking inf or NaN and making every later average non-finite (every later
+    step skipped, for good, on the old code). (The bf16/fp16 casts saturate instead: finite throughout.)"""
+    path = "PowerSGD"
+    for out in cluster.run(cw.overflow_once, LAYERS, path, 5, 2):  # the first pass is exact: no residual yet
+        assert out["finite"] == [True, True, False, True, True], out["finite"]
+        before, after = out["residuals"]
+        assert before.keys() == after.keys()
+        for name in [name for name in before if name.startswith("layers.0.")]:  # the inf's bucket (fusion_bytes=0)
+            assert torch.equal(before[name], after[name]), name

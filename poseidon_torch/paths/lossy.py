@@ -14,7 +14,8 @@ residual is M minus what the sync applied on its behalf, so after any number of 
 Invariants:
 - a residual changes only when its sync's average is written (:meth:`LossyPath.write`, not late): an
   aborted pass, a late gradient (the bucket is then averaged again, exactly, on the default path), a
-  pass that writes nothing, and a parameter no rank used (its average is not written) keep the old one;
+  pass that writes nothing, a pass whose average is not finite (an overflow: GradScaler skips the step)
+  and a parameter no rank used (its average is not written) keep the old one;
 - residuals are kept per parameter (named in the checkpoint: :meth:`LossyPath.state_dict`), so they
   survive bucket rebuilds and a layer leaving the path and coming back;
 - a joined rank's shadow pass sends zeros and adds no residual;
@@ -102,9 +103,11 @@ class LossyPath(Path):
 
     def write(self, bucket: Bucket, grads: GradWriter, late: bool) -> None:
         """The average into ``grads``; the sync's residuals replace the old ones of the parameters some
-        rank used (late: the bucket is synced again exactly, the old residuals stay)."""
+        rank used (late: the bucket is synced again exactly, the old residuals stay; a non-finite average,
+        the same on every rank, is a step GradScaler skips: the old residuals stay, not inf or NaN for
+        good)."""
         pending = self._pending.pop(id(bucket), {})
-        if not late:
+        if not late and bool(torch.isfinite(bucket.flat[:bucket.grad_numel]).all()):
             for used, p in zip(bucket.used_anywhere.tolist(), bucket.params):
                 if used and id(p) in pending:
                     self._residuals[id(p)] = pending[id(p)]

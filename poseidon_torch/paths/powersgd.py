@@ -201,12 +201,15 @@ class PowerSGDPath(LossyPath):
         if not plan.matrices:  # nothing compressed (an override on a layer of vectors): all sent already
             return False if ctx.shadow else bucket.read_flags()
         yield "compress"
+        warm = plan.second.clone()  # put back after an overflow: a non-finite Q would stay so for good
         bases = [torch.linalg.qr(m.p).Q for m in plan.matrices]
         for m, matrix, basis in zip(plan.matrices, ms, bases):
             torch.matmul(matrix.T, basis, out=m.q)
         yield "network"
         groups.all_reduce(plan.second)
         plan.second.div_(size)
+        if not bool(torch.isfinite(plan.second).all()):  # the same on every rank: GradScaler skips this step
+            plan.second.copy_(warm)
         self._warm.update(id(bucket.params[m.position]) for m in plan.matrices)
         bucket.bytes_sent += int(ring_bytes_per_rank(plan.second.numel() * plan.second.element_size(), size))
         yield "decompress"
