@@ -141,6 +141,7 @@ def bad_states(rank: int, world_size: int) -> dict:
     return {"errors": errors, "unchanged": unchanged}
 
 
+
 # ---- refusals ----------------------------------------------------------------------------------------
 
 def _error_of(make) -> tuple[str, str] | None:
@@ -243,3 +244,29 @@ def peer_exits_before_a_sync(rank: int, world_size: int) -> dict:
         after = f"{type(exc).__name__}: {exc}"
     return {"error_type": type(error).__name__ if error else None, "error": str(error), "elapsed": elapsed,
             "stepped": stepped, "next_forward": after}
+
+
+def closure_optimizer(rank: int, world_size: int) -> dict:
+    """LBFGS (its closure runs the first forward inside the first step(), before the engine exists) under
+    DiLoCo with an outer SGD of lr 1 (whose outer step gives the average of the round ends) and under local
+    SGD, H = 2, 4 steps: the syncs after each step and every rank's final parameters."""
+    results = {}
+    for name, options in (("diloco", {"outer": (torch.optim.SGD, {"lr": 1.0})}), ("local", {})):
+        model = build(SPEC, seed=0)
+        wrapped = PoseidonDDP(model, timeout=60, sync_every=2, **options)
+        opt = torch.optim.LBFGS(wrapped.parameters(), lr=0.1, max_iter=3)
+        syncs = []
+        for step in range(4):
+            x, y = batch(SPEC, step, 3, world_size)
+
+            def closure():
+                opt.zero_grad()
+                loss = F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3))
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            syncs.append(wrapped.comm_stats.iterations)
+        wrapped.close()
+        results[name] = {"syncs": syncs, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return results

@@ -207,3 +207,16 @@ def test_a_dead_peer_fails_the_sync_within_timeout(fresh_cluster):
     assert survivor.ok, survivor.value
     assert survivor.value["error_type"] in ("SyncError", "SyncTimeout") and survivor.value["elapsed"] < 10 + 5
     assert survivor.value["stepped"] and "cannot continue" in survivor.value["next_forward"]
+
+
+def test_a_closure_optimizer_whose_first_forward_runs_inside_step(cluster):
+    """LBFGS's closure runs the model's first forward inside the first step(), so the engine (and its step
+    hooks) starts after that step began: DiLoCo still takes the round's start there (it raised a TypeError
+    at the first sync), and with an outer SGD of lr 1 it equals local SGD to rounding (start - mean(start -
+    end) differs from mean(end) by ulps, which LBFGS's curvature pairs amplify: 1.6e-6 at P3, so 1e-4/1e-5)."""
+    for rank, result in enumerate(cluster.run(pw.closure_optimizer)):
+        for name in ("diloco", "local"):
+            assert result[name]["syncs"] == [0, 1, 1, 2], (rank, name)
+        for n, value in result["local"]["params"].items():
+            torch.testing.assert_close(result["diloco"]["params"][n], value, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"rank {rank} {n}: {m}")

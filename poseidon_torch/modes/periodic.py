@@ -149,15 +149,20 @@ def check_periodic(options: PeriodicOptions | None, delay: int, overrides: Mappi
 _STEP_WRAPPER = Optimizer.profile_hook_step(lambda self: None).__code__
 
 
+def running_steps() -> list[Optimizer]:
+    """The optimizers whose ``step()`` is running now, innermost first (one per level of nesting)."""
+    frame, running = sys._getframe(1), []
+    while frame is not None:
+        if frame.f_code is _STEP_WRAPPER:
+            running.append(frame.f_locals.get("self"))
+        frame = frame.f_back
+    return running
+
+
 def outermost_step(optimizer: Optimizer) -> bool:
     """Whether the ``step()`` whose hook runs now is not nested in another ``step()`` of ``optimizer`` (a
     subclass whose ``step()`` calls ``super().step()``: torch runs the hooks at both levels)."""
-    frame, levels = sys._getframe(1), 0
-    while frame is not None:
-        if frame.f_code is _STEP_WRAPPER and frame.f_locals.get("self") is optimizer:
-            levels += 1
-        frame = frame.f_back
-    return levels <= 1
+    return sum(running is optimizer for running in running_steps()) <= 1
 
 
 class RoundJob:
@@ -242,6 +247,15 @@ class Periodic(Mode):
         self._synced = {id(p) for p in engine.params}
         self._hooks = [register_optimizer_step_pre_hook(self._before_step),
                        register_optimizer_step_post_hook(self._after_step)]
+        self._join_a_running_step()
+
+    def _join_a_running_step(self) -> None:
+        """The engine starts at the first forward; where that forward runs inside the inner optimizer's
+        ``step()`` (a closure: LBFGS), that step began before the hooks existed: its pre-hook runs now (its
+        closure's first forward comes before its update, so the parameters are still the step's start)."""
+        outermost = next((opt for opt in reversed(running_steps()) if self._inner_step(opt)), None)
+        if outermost is not None:
+            self._before_step(outermost, (), {})
 
     def job(self, path: Path) -> RoundJob:
         job = self._jobs.get(path)
