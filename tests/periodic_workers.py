@@ -142,6 +142,27 @@ def bad_states(rank: int, world_size: int) -> dict:
 
 
 
+def resume_with_another_outer(rank: int, world_size: int) -> dict:
+    """A DiLoCo state (Nesterov outer, mid-round) loaded by a wrapper whose outer= differs (another class,
+    another lr): what the load raises, and whether that wrapper's outer state changed."""
+    model = build(SPEC, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, sync_every=2, outer=NESTEROV)
+    _steps(SPEC, wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.05), rank, world_size, 0, 3)
+    saved = wrapped.consistency_state_dict()
+    wrapped.close()
+    outcomes = {}
+    for case, outer in {"adam": (torch.optim.Adam, {"lr": 0.01}),
+                        "lr": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9, "nesterov": True})}.items():
+        other = PoseidonDDP(build(SPEC, seed=0), timeout=60, sync_every=2, outer=outer)
+        opt = torch.optim.SGD(other.parameters(), lr=0.05)
+        _steps(SPEC, other, opt, rank, world_size, 0, 2)  # one outer step: its state holds something
+        before = other.consistency_state_dict()
+        error = _error_of(lambda: other.load_consistency_state_dict(saved))
+        after = other.consistency_state_dict()
+        other.close()
+        outcomes[case] = {"error": error, "unchanged": repr(after) == repr(before)}
+    return outcomes
+
 # ---- refusals ----------------------------------------------------------------------------------------
 
 def _error_of(make) -> tuple[str, str] | None:

@@ -167,6 +167,17 @@ def test_wrong_consistency_states_are_refused_and_change_nothing(cluster):
         assert result["unchanged"]
 
 
+def test_a_state_saved_with_another_outer_is_refused_and_changes_nothing(cluster):
+    """torch's load_state_dict would take the saved outer hyperparameters over the new outer= (a smaller
+    outer lr asked for on resume, silently dropped) or, from another class, break at the next outer step
+    (Adam: a KeyError while loading, with the state half replaced)."""
+    for result in cluster.run(pw.resume_with_another_outer):
+        for case, outcome in result.items():
+            assert outcome["error"] is not None, f"{case}: loaded"
+            kind, message = outcome["error"]
+            assert kind == "ValueError" and "resume with the outer= it was saved with" in message, (case, message)
+            assert outcome["unchanged"], case
+
 def test_bad_options_and_combinations_are_refused_by_name(cluster):
     expected = {
         "sync_every=0": ("ValueError", "sync_every must be >= 1"),

@@ -400,7 +400,13 @@ class DiLoCo(Periodic):
 
     def round_state(self, names: dict[int, str]) -> dict:
         start = None if self._start is None else {names[key]: value.clone() for key, value in self._start.items()}
-        return {"start": start, "outer": copy.deepcopy(self.outer.state_dict())}
+        return {"start": start, "outer": copy.deepcopy(self.outer.state_dict()), "outer_options": self._outer_options()}
+
+    def _outer_options(self) -> dict:
+        """``outer=`` as saved: torch's ``load_state_dict`` takes the saved hyperparameters (and a state of
+        another class breaks its ``step()``), so a resume with other outer options is refused instead."""
+        cls = self.options.outer_class
+        return {"class": f"{cls.__module__}.{cls.__qualname__}", "arguments": dict(self.options.outer_kwargs)}
 
     def load_round(self, entry: dict, params: dict[str, nn.Parameter], mid_round: bool) -> None:
         start = entry.get("start")
@@ -418,6 +424,11 @@ class DiLoCo(Periodic):
                                      f"{tuple(params[name].shape)}")
         if "outer" not in entry:
             raise ValueError("the consistency state holds no outer optimizer state")
+        saved, mine = entry.get("outer_options"), self._outer_options()
+        if saved != mine:
+            raise ValueError(f"the consistency state was saved with outer={saved}; this model has outer={mine} (the "
+                             "outer optimizer's saved state and hyperparameters would replace them, or break its step): "
+                             "resume with the outer= it was saved with")
         self.outer.load_state_dict(entry["outer"])
         self._start = None if start is None else {
             id(params[name]): value.detach().to(params[name].device, params[name].dtype).clone()
