@@ -12,9 +12,10 @@ settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-@pytest.fixture(scope="session", params=[2, 3], ids=lambda p: f"P{p}")
+@pytest.fixture(scope="session", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=lambda p: f"P{p}")
 def cluster(request):
-    """A long-lived pool of 2 or 3 gloo ranks shared by the tests that keep it healthy."""
+    """A long-lived pool of 2 or 3 gloo ranks shared by the tests that keep it healthy (the 3-rank runs
+    are in the full suite only: the fast tier runs every cluster test at 2 ranks)."""
     c = Cluster(request.param)
     yield c
     c.close()

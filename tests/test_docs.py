@@ -91,5 +91,6 @@ def test_the_python_samples_run(tmp_path):
     run_samples("python", tmp_path)
 
 
+@pytest.mark.slow  # 16 s: the python samples stay in the fast tier
 def test_the_torchrun_samples_run(tmp_path):
     run_samples("torchrun", tmp_path)
