@@ -154,7 +154,7 @@ class Options:
         if self.compression and not self.hybrid:
             raise ValueError("compression= chooses paths per layer, which needs hybrid=True (hybrid=False sends every "
                              "layer through the PS path, exactly)")
-        check_periodic(self.periodic, self.delay, dict(self.overrides), [path for path, _ in self.compression])
+        check_periodic(self.periodic, dict(self.overrides), [path for path, _ in self.compression])
 
     @property
     def compression_settings(self) -> dict[str, dict[str, Any]]:
@@ -222,7 +222,9 @@ class PoseidonDDP(nn.Module, Joinable):
         delay: Pipe-SGD's k (default 0: BSP). With k >= 1 a synced ``backward()`` returns without
             waiting for its sync, which runs on during the next steps; ``.grad`` then holds the average
             over the ranks of the gradients of k steps earlier (None for the first k steps: torch's
-            optimizers skip those). See ``modes/pipe_sgd.py`` and docs/pipe-sgd.md.
+            optimizers skip those). See ``modes/pipe_sgd.py`` and docs/pipe-sgd.md. With ``sync_every=H``
+            (0 <= k <= H): each periodic sync stays in flight for k inner steps, which compute meanwhile, and
+            lands after the k-th of them, those steps kept on top of what lands (docs/periodic.md).
         compression: lossy paths the coordinator may choose per layer, where its cost model predicts them
             faster than the exact ones (default None: never; docs/compression.md): ``"powersgd"`` (rank-r
             PowerSGD with error feedback and warm start), ``"bf16"`` or ``"fp16"`` (reduced precision with
@@ -276,7 +278,7 @@ class PoseidonDDP(nn.Module, Joinable):
         if fusion_bytes is not None and ddp.fusion_bytes is not None:
             raise ValueError("pass either fusion_bytes or bucket_cap_mb (torch DDP's name for it), not both")
         fusion_bytes = fusion_bytes if ddp.fusion_bytes is None else ddp.fusion_bytes
-        periodic = periodic_option(sync_every, outer, ddp.buffers_follow_rank0, module.parameters())
+        periodic = periodic_option(sync_every, outer, ddp.buffers_follow_rank0, module.parameters(), delay)
         self.options = Options(
             chunk_bytes=option(chunk_bytes, "CHUNK_BYTES", int, DEFAULT_CHUNK_BYTES),
             fusion_bytes=option(fusion_bytes, "FUSION_BYTES", int, DEFAULT_FUSION_BYTES),

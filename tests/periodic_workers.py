@@ -142,6 +142,33 @@ def bad_states(rank: int, world_size: int) -> dict:
 
 
 
+def bad_flight_states(rank: int, world_size: int) -> dict:
+    """DiLoCo with H = 3, delay = 2, 4 steps (the first sync in flight): what loading a wrong in-flight state
+    raises, and whether the state saved after the attempts equals the one before."""
+    model = build(SPEC, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, sync_every=3, outer=NESTEROV, delay=2)
+    _steps(SPEC, wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.05), rank, world_size, 0, 4)
+    good = wrapped.consistency_state_dict()
+    entry, flight = good["periodic"], good["periodic"]["in_flight"]
+    cases = {
+        "saved without a delay": {**good, "delay": 0},
+        "no sync in flight": {**good, "periodic": {k: v for k, v in entry.items() if k != "in_flight"}},
+        "in flight when none flies": {**good, "periodic": {**entry, "steps": 5}},
+        "sent of one parameter": {**good, "periodic": {**entry, "in_flight": {
+            **flight, "sent": {"head.weight": flight["sent"]["head.weight"]}}}},
+        "average of a bad shape": {**good, "periodic": {**entry, "in_flight": {
+            **flight, "averages": {**flight["averages"], "head.bias": torch.zeros(7)}}}},
+        "an unknown key": {**good, "periodic": {**entry, "in_flight": {**flight, "lands": 5}}},
+    }
+    errors = {case: _error_of(lambda: wrapped.load_consistency_state_dict(state)) for case, state in cases.items()}
+    after = wrapped.consistency_state_dict()
+    wrapped.close()
+    unchanged = after["periodic"]["steps"] == entry["steps"] and all(
+        torch.equal(after["periodic"]["in_flight"][what][n], t)
+        for what in ("sent", "averages") for n, t in flight[what].items())
+    return {"errors": errors, "unchanged": unchanged}
+
+
 def resume_with_another_outer(rank: int, world_size: int) -> dict:
     """A DiLoCo state (Nesterov outer, mid-round) loaded by a wrapper whose outer= differs (another class,
     another lr): what the load raises, and whether that wrapper's outer state changed."""
@@ -200,7 +227,8 @@ def refusals(rank: int, world_size: int) -> dict:
         "outer not an optimizer": lambda: wrap(sync_every=2, outer=(nn.Linear, {})),
         "outer bad lr": lambda: wrap(sync_every=2, outer=(torch.optim.SGD, {"lr": -1.0})),
         "outer bad argument": lambda: wrap(sync_every=2, outer=functools.partial(torch.optim.SGD, lr=0.7, nesterov=True)),
-        "with delay": lambda: wrap(sync_every=2, delay=1),
+        "delay above H": lambda: wrap(sync_every=2, delay=3),
+        "delay not an int": lambda: wrap(sync_every=2, delay=1.0),
         "SFB override": lambda: wrap(sync_every=2, fusion_bytes=0, overrides={"head": "SFB"}),
         "with compression": lambda: wrap(sync_every=2, compression="powersgd"),
         "lossy override": lambda: wrap(sync_every=2, fusion_bytes=0, overrides={"head": "BF16"}),

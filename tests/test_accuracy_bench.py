@@ -164,13 +164,15 @@ def test_one_host_trains_alone_on_its_shard(digits_run: tuple) -> None:
 @pytest.mark.slow
 def test_a_time_budget_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
     """Lockstep modes stop every rank after the step rank 0 publishes; local SGD after a step that
-    averages (its ranks meet only there), with one model on every rank; compute-only, which never
-    syncs, stops each rank on its own clock, at its first step that ends past the budget."""
+    averages (its ranks meet only there), with one model on every rank; PoseidonDDP's local SGD with
+    ``delay=3`` after step 4k + 2, the last one a rank may take before the sync sent after step 4k lands;
+    compute-only, which never syncs, stops each rank on its own clock, at its first step that ends past
+    the budget."""
     budget = 1.5
     done, report = run_accuracy(tmp_path, "--task", "lm", "--time-budget", str(budget), "--eval-every", "5",
-                                "--modes", "torch-ddp,poseidon-ps,torch-ddp-localsgd,compute-only")
+                                "--modes", "torch-ddp,poseidon-ps,torch-ddp-localsgd,poseidon-localsgd-delay3,compute-only")
     assert done.returncode == 0, done.stderr
-    for mode in ("torch-ddp", "poseidon-ps", "torch-ddp-localsgd"):
+    for mode in ("torch-ddp", "poseidon-ps", "torch-ddp-localsgd", "poseidon-localsgd-delay3"):
         run = _ok(report, mode)
         steps = run["steps_by_rank"]
         assert steps[0] == steps[1] > 1, steps
@@ -179,6 +181,9 @@ def test_a_time_budget_stops_every_rank_after_the_same_step(tmp_path: Path) -> N
     local = _ok(report, "torch-ddp-localsgd")
     assert (local["steps_by_rank"][0] - 1) % 4 == 0  # a step that averaged: period 4, no warm-up
     assert len({d["final"] for d in local["param_digests_by_rank"]}) == 1
+    delayed = _ok(report, "poseidon-localsgd-delay3")
+    assert delayed["steps_by_rank"][0] % 4 == 2 and len({d["final"] for d in delayed["param_digests_by_rank"]}) == 1
+    assert len({d["before_final_average"] for d in delayed["param_digests_by_rank"]}) == 2  # each its own drift
     alone = _ok(report, "compute-only")
     assert alone["stop_rule"] == "own clock"
     for ends in alone["step_end_s_by_rank"]:  # each rank's own clock

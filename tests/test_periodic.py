@@ -60,6 +60,34 @@ def test_matches_the_single_process_simulation(cluster, mode, optimizer):
         assert result["in_flight"]["periodic"]["mode"] == mode and result["in_flight"]["periodic"]["steps"] == steps
 
 
+@pytest.mark.parametrize("delay", [1, 3])
+@pytest.mark.parametrize("mode", ["local-sgd", "diloco"])
+def test_a_delayed_sync_matches_the_simulation(cluster, mode, delay):
+    """``delay=d`` (H = 3, 9 steps: syncs after steps 3 and 6, landing d steps later; with d = 3 the second
+    lands as the third is sent): every rank against its replica of the simulation after every step, the
+    bytes counted when a sync lands (its pass closes then), at no other step; each rank keeps its own
+    steps on top of what lands, so they differ."""
+    h, steps, spec = 3, 9, ModelSpec(widths=(8, 5))
+    run = periodic_run(h, OUTERS[mode], "adamw", options={"delay": delay})
+    results = cluster.run(training.train, spec, run, steps, 3)
+    reference = training.periodic(spec, h, OUTERS[mode], steps, 3, cluster.world_size, "adamw", delay=delay)
+    for rank, result in enumerate(results):
+        for step in range(steps):
+            for name, value in reference["read"][rank][step].items():
+                torch.testing.assert_close(result["read"][step][name], value, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{mode} delay={delay}: rank {rank} {name} step {step}: {m}")
+        for name, value in reference["params"][rank].items():
+            torch.testing.assert_close(result["state"][name], value, rtol=RTOL, atol=ATOL)
+        sent = [0] + result["total_sent"]
+        landed_at = [t + delay for t in (2, 5) if t + delay < steps]  # the sync after step 8 lands at the end
+        assert [t for t in range(steps) if sent[t + 1] > sent[t]] == landed_at, f"rank {rank}: {sent}"
+        assert result["in_flight"]["delay"] == delay and "in_flight" in result["in_flight"]["periodic"]
+        assert rank == 0 or not torch.equal(result["state"]["head.weight"], results[0]["state"]["head.weight"])
+    # the delay is what makes them differ: the no-delay reference has every rank equal right after a sync
+    landed = training.periodic(spec, h, OUTERS[mode], 4 + delay - 1, 3, cluster.world_size, "adamw", delay=0)
+    assert torch.equal(landed["read"][0][3]["head.weight"], landed["read"][1][3]["head.weight"])
+
+
 @pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=model_specs(), h=st.integers(1, 3), mode=st.sampled_from(sorted(OUTERS)),
@@ -154,6 +182,22 @@ def test_a_resumed_run_continues_bit_for_bit(cluster, mode, stop):
             assert saved["start"] is None or all(torch.equal(t, first["start"][n]) for n, t in saved["start"].items())
 
 
+@pytest.mark.parametrize("stop", [4, 5, 6], ids=["in-flight", "as-it-lands", "just-sent"])
+@pytest.mark.parametrize("mode", ["local-sgd", "diloco"])
+def test_a_run_resumed_with_a_sync_in_flight_continues_bit_for_bit(cluster, mode, stop):
+    """H = 3, delay = 2, 8 steps: a checkpoint while the first sync flies (after step 4), right as it landed
+    (5), or right after the second was sent (6) carries what was sent and its averages, and the resumed run
+    lands them at the same step, bit for bit."""
+    options = {"sync_every": 3, "delay": 2, **({"outer": OUTERS[mode]} if OUTERS[mode] else {})}
+    results = cluster.run(pw.checkpoint_resume, options, "adamw", stop, 8)
+    for rank, result in enumerate(results):
+        for name, value in result["straight"].items():
+            assert torch.equal(result["resumed"][name], value), f"rank {rank}: {name} differs after resuming"
+        saved = result["saved"]
+        assert saved["delay"] == 2 and ("in_flight" in saved["periodic"]) == (stop != 5)
+        assert result["integrations_saved"]
+
+
 def test_wrong_consistency_states_are_refused_and_change_nothing(cluster):
     for result in cluster.run(pw.bad_states):
         for case, error in result["errors"].items():
@@ -164,6 +208,17 @@ def test_wrong_consistency_states_are_refused_and_change_nothing(cluster):
         assert "head.bias" in result["errors"]["bad shape"] and "sync_every=H" in result["errors"]["into bsp"]
         assert "must be there exactly when 'steps' is not a multiple" in result["errors"]["no start mid-round"]
         assert "it was there at steps=" in result["errors"]["start at a round's end"]
+        assert result["unchanged"]
+
+
+def test_wrong_in_flight_states_are_refused_and_change_nothing(cluster):
+    expected = {"saved without a delay": "saved with delay=0", "no sync in flight": "it was missing",
+                "in flight when none flies": "it was there", "sent of one parameter": "every synced parameter",
+                "average of a bad shape": "'head.bias'", "an unknown key": "with 'sent' and 'averages'"}
+    for result in cluster.run(pw.bad_flight_states):
+        for case, text in expected.items():
+            error = result["errors"][case]
+            assert error is not None and error[0] == "ValueError" and text in error[1], (case, error)
         assert result["unchanged"]
 
 
@@ -189,7 +244,8 @@ def test_bad_options_and_combinations_are_refused_by_name(cluster):
         "outer not an optimizer": ("TypeError", "option outer must be"),
         "outer bad lr": ("ValueError", "option outer: SGD refused its arguments"),
         "outer bad argument": ("ValueError", "Nesterov"),
-        "with delay": ("ValueError", "choose one"),
+        "delay above H": ("ValueError", "must be at most 2"),
+        "delay not an int": ("TypeError", "delay must be an int"),
         "SFB override": ("ValueError", "from their factors"),
         "with compression": ("ValueError", "compression= with sync_every=2 is not supported"),
         "lossy override": ("ValueError", "overrides put ['head'] on the lossy path(s) ['BF16']"),

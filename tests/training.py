@@ -302,21 +302,23 @@ def server_pipe_sgd(spec: ModelSpec, delay: int, steps: int, size: int, world_si
 
 
 def periodic(spec: ModelSpec, sync_every: int, outer: tuple | None, steps: int, size: int, world_size: int,
-             optimizer: str = "sgd", skip: int | None = None, average_buffers: bool = True) -> dict:
+             optimizer: str = "sgd", skip: int | None = None, average_buffers: bool = True, delay: int = 0) -> dict:
     """Local SGD (``outer`` None) or DiLoCo (``outer``: the outer optimizer's class and arguments) in one
     process: one replica per rank, each stepping its own inner optimizer on its shard of every batch. After
     every ``sync_every``-th step taken (a ``skip``ped step is none), local SGD averages the parameters
     (summed in rank order, then divided by P); DiLoCo steps the round's start parameters with the outer
     optimizer on the average of (start - end). Floating-point buffers are averaged too when
-    ``average_buffers``. Per replica: its final ``params`` and ``state``, and the parameters every step's
-    forward ``read``."""
+    ``average_buffers``. With ``delay`` d the round's result lands after d more steps taken, each replica
+    keeping those steps on top of it: parameter = result + (parameter - its value at the round's end), and
+    DiLoCo's next round starts from the result. Per replica: its final ``params`` and ``state``, and the
+    parameters every step's forward ``read``."""
     replicas = [build(spec, seed=spec.seed) for _ in range(world_size)]
     cls, kwargs = OPTIMIZERS[optimizer]
     inner = [cls(_trainable(m), **kwargs) for m in replicas]
     start = build(spec, seed=spec.seed)  # the round's start parameters, which the outer optimizer steps
     outer_opt = outer[0](_trainable(start), **outer[1]) if outer is not None else None
     read: list[list[dict]] = [[] for _ in replicas]
-    taken = 0
+    taken, landing = 0, None  # landing: (the step taken after which it lands, the result, what was sent)
     for step in range(steps):
         x, y = batch(spec, step, size, world_size)
         for rank, (model, opt) in enumerate(zip(replicas, inner)):
@@ -330,8 +332,15 @@ def periodic(spec: ModelSpec, sync_every: int, outer: tuple | None, steps: int, 
         if step == skip:
             continue
         taken += 1
+        if landing is not None and landing[0] == taken:
+            _land(replicas, *landing[1:], average_buffers)
+            landing = None
         if taken % sync_every == 0:
-            _average_replicas(replicas, start, outer_opt, average_buffers)
+            sent = [[p.detach().clone() for p in _trainable(m)] for m in replicas]
+            landing = (taken + delay, _round_result(replicas, start, outer_opt), sent)
+            if not delay:
+                _land(replicas, *landing[1:], average_buffers)
+                landing = None
     return {"params": [{n: p.detach().clone() for n, p in m.named_parameters()} for m in replicas],
             "state": [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in replicas], "read": read}
 
@@ -348,20 +357,27 @@ def _mean(values: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _average_replicas(replicas: list[nn.Module], start: nn.Module, outer: torch.optim.Optimizer | None,
-                      buffers: bool) -> None:
-    """The sync of :func:`periodic`: every replica ends with the same parameters."""
+def _round_result(replicas: list[nn.Module], start: nn.Module, outer: torch.optim.Optimizer | None
+                  ) -> list[torch.Tensor]:
+    """The sync of :func:`periodic`: the parameters every replica takes (local SGD: the average; DiLoCo:
+    the outer step of ``start``, which it updates)."""
     columns = list(zip(*(_trainable(m) for m in replicas)))
     if outer is None:
-        new = [_mean(list(column)) for column in columns]
-    else:
-        for p, column in zip(_trainable(start), columns):
-            p.grad = _mean([p - q for q in column])
-        outer.step()
-        new = [p.detach().clone() for p in _trainable(start)]
-    for model in replicas:
-        for p, value in zip(_trainable(model), new):
-            p.copy_(value)
+        return [_mean(list(column)) for column in columns]
+    for p, column in zip(_trainable(start), columns):
+        p.grad = _mean([p - q for q in column])
+    outer.step()
+    return [p.detach().clone() for p in _trainable(start)]
+
+
+@torch.no_grad()
+def _land(replicas: list[nn.Module], result: list[torch.Tensor], sent: list[list[torch.Tensor]], buffers: bool
+          ) -> None:
+    """The round's ``result`` into every replica, the steps each took since it ``sent`` kept on top."""
+    for model, mine in zip(replicas, sent):
+        for p, value, was in zip(_trainable(model), result, mine):
+            drift = p - was
+            p.copy_(value).add_(drift)
     if buffers:
         for column in zip(*(list(m.buffers()) for m in replicas)):
             if column[0].is_floating_point():

@@ -77,16 +77,17 @@ from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, placed, p
 STALE_MODES = {"poseidon-ssp1": 1, "poseidon-ssp3": 3, "poseidon-async": None}
 SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-priority", *STALE_MODES)
 #: Pipe-SGD: the default mode (hybrid) with ``delay=k``
-DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2, "poseidon-ps-delay1": 1, "poseidon-powersgd-delay1": 1}
+DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2, "poseidon-ps-delay1": 1, "poseidon-powersgd-delay1": 1,
+               "poseidon-localsgd-delay3": 3}
 #: the lossy path each compressed mode names (``compression=``)
 COMPRESSION_MODES = {"poseidon-powersgd": "powersgd", "poseidon-powersgd-delay1": "powersgd", "poseidon-bf16": "bf16"}
 #: periodic averaging, ``sync_every`` = the local SGD baseline's period: whether DiLoCo's outer optimizer runs
-PERIODIC_MODES = {"poseidon-localsgd": False, "poseidon-diloco": True}
+PERIODIC_MODES = {"poseidon-localsgd": False, "poseidon-diloco": True, "poseidon-localsgd-delay3": False}
 PS_ONLY_MODES = ("poseidon-ps", "poseidon-ps-python", "poseidon-ps-delay1")  #: every layer on the PS path
 POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES, *DELAY_MODES,
                   *COMPRESSION_MODES, *PERIODIC_MODES)
 MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero", *SERVER_MODES,
-         *(mode for mode in DELAY_MODES if mode not in COMPRESSION_MODES), *PERIODIC_MODES, *BASELINE_MODES,
+         *(mode for mode in DELAY_MODES if mode not in COMPRESSION_MODES and mode not in PERIODIC_MODES), *PERIODIC_MODES, *BASELINE_MODES,
          *COMPRESSION_MODES)
 DEFAULT_MODES = MODES[:4]
 #: modes whose ranks never communicate while they train

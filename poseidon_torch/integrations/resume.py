@@ -1,7 +1,7 @@
 """What a framework's checkpoint must carry, besides the model and the optimizer, for a resumed run to
 continue the same trajectory: PoseidonDDP's consistency state (Pipe-SGD's averaged gradients in flight
 with ``delay=k``, a ``ServerOptimizer(delay=k)``'s values not read yet, or with ``sync_every=H`` the
-steps taken and DiLoCo's outer optimizer state).
+steps taken, DiLoCo's outer optimizer state and, with a ``delay``, the sync in flight).
 
 Invariants: the state is the same on every rank (the averages and the pulled values are bit-identical
 on every rank, and so are a periodic mode's step count, round start and outer state; the lossy paths'
@@ -36,12 +36,14 @@ def restore_in_flight_state(wrapper: PoseidonDDP, state: dict | None) -> None:
     if state is not None:
         saved = state.get("delay") if isinstance(state, dict) else None
         if saved != delay:
-            raise ValueError(f"this checkpoint holds Pipe-SGD's in-flight state of a run with delay={saved!r}, and this "
+            raise ValueError(f"this checkpoint holds the in-flight state of a run with delay={saved!r}, and this "
                              f"PoseidonDDP has delay={delay}: resume with delay={saved!r}, or drop the {saved!r} pending "
                              f"step(s) knowingly by deleting the checkpoint's '{CHECKPOINT_KEY}' entry (Lightning) or "
                              f"its {FILE_NAME} file (HF Trainer)")
         wrapper.load_consistency_state_dict(state)
         return
     if delay:
-        warnings.warn(f"PoseidonDDP: resumed from a checkpoint without Pipe-SGD's in-flight state (delay={delay}): the "
-                      f"pipeline restarts empty, so the first {delay} step(s) make no update", stacklevel=3)
+        lost = "the sync in flight is lost and the rounds count from 0" if wrapper.options.periodic else \
+            f"the pipeline restarts empty, so the first {delay} step(s) make no update"
+        warnings.warn(f"PoseidonDDP: resumed from a checkpoint without the in-flight state (delay={delay}): {lost}",
+                      stacklevel=3)

@@ -30,6 +30,22 @@ Invariants:
 - DiLoCo takes the round's start parameters when the round's first inner step begins, so parameters the
   user loads between rounds are the next round's start.
 Uneven inputs (``join()``) are refused: every rank must reach every sync.
+
+With ``delay=d`` (1 <= d <= H; overlapping local SGD, Wang et al. 2020; the eager outer step of Streaming
+DiLoCo, Douillard et al. 2025) the sync is sent after the H-th step as above, but ``step()`` returns at
+once: the sync runs on the sync threads while the next d inner steps compute, and *lands* right after the
+d-th of them (inside that ``step()``). What was sent is the parameters as they were after the H-th step
+(a copy, so the inner steps may change them meanwhile); the d steps taken while it was in flight are kept
+on top of what lands:
+
+    parameter = (local SGD: the average; DiLoCo: the outer step's result) + (parameter - what was sent)
+
+DiLoCo's next round starts from the outer step's result (the d steps count toward it). So with a delay the
+ranks hold the same values nowhere (each keeps its d steps of drift), but the round's result, the outer
+optimizer's state and the next round's start are the same bits on every rank. A checkpoint taken while a
+sync is in flight waits for it and carries its average, what was sent and the step it lands after; a run
+that ends with a sync in flight (its ``close()``) waits for it and does not apply it. BatchNorm's
+statistics are averaged when the sync lands.
 """
 from __future__ import annotations
 
@@ -51,6 +67,7 @@ from ..paths import GradWriter, Path, SyncContext, path_class
 from ..pools import ChannelGroups
 from ..replicas import average_into
 from .base import Engine, Mode
+from .pipe_sgd import PipeSGD, delay_option
 from .state import check_delay
 
 #: DiLoCo's outer optimizer as the paper sets it: Nesterov SGD, lr 0.7, momentum 0.9
@@ -63,22 +80,25 @@ _OUTER_FORMS = ("None (local SGD), an optimizer class and its arguments, e.g. (t
 
 @dataclass(frozen=True)
 class PeriodicOptions:
-    """``PoseidonDDP(sync_every=..., outer=...)`` checked: H, the outer optimizer's class and arguments
-    (None: local SGD), and whether buffers are averaged at each sync (``broadcast_buffers``)."""
+    """``PoseidonDDP(sync_every=..., outer=..., delay=...)`` checked: H, the outer optimizer's class and
+    arguments (None: local SGD), whether buffers are averaged at each sync (``broadcast_buffers``), and the
+    inner steps a sync stays in flight before it lands (0: ``step()`` waits for it)."""
 
     sync_every: int
     outer_class: type[Optimizer] | None = None
     outer_kwargs: tuple[tuple[str, Any], ...] = ()
     average_buffers: bool = True
+    delay: int = 0
 
     def build_outer(self, params: Sequence[nn.Parameter]) -> Optimizer:
         return self.outer_class(params, **dict(self.outer_kwargs))
 
 
-def periodic_option(sync_every: object, outer: object, average_buffers: bool,
-                    params: Iterable[nn.Parameter]) -> PeriodicOptions | None:
-    """The options checked (None: not periodic). The outer optimizer is built once over ``params``, so
-    arguments it refuses are refused here, on every rank, before any collective."""
+def periodic_option(sync_every: object, outer: object, average_buffers: bool, params: Iterable[nn.Parameter],
+                    delay: object = 0) -> PeriodicOptions | None:
+    """The options checked (None: not periodic; ``delay`` is then Pipe-SGD's, checked elsewhere). The outer
+    optimizer is built once over ``params``, so arguments it refuses are refused here, on every rank, before
+    any collective."""
     if sync_every is None:
         if outer is not None:
             raise ValueError("PoseidonDDP option outer (DiLoCo's outer optimizer) needs sync_every=H, the inner steps "
@@ -90,8 +110,12 @@ def periodic_option(sync_every: object, outer: object, average_buffers: bool,
     if sync_every < 1:
         raise ValueError(f"PoseidonDDP option sync_every must be >= 1 (inner optimizer steps between two syncs), got "
                          f"{sync_every}; leave it out for BSP")
+    if delay_option(delay) > sync_every:
+        raise ValueError(f"PoseidonDDP option delay={delay} with sync_every={sync_every}: a sync must land before the "
+                         f"next one is sent, so delay (the inner steps it stays in flight) must be at most "
+                         f"{sync_every}")
     cls, kwargs = _outer_parts(outer)
-    options = PeriodicOptions(sync_every, cls, tuple(sorted(kwargs.items())), average_buffers)
+    options = PeriodicOptions(sync_every, cls, tuple(sorted(kwargs.items())), average_buffers, delay)
     if cls is not None:
         try:
             options.build_outer([p for p in params if p.requires_grad])
@@ -118,11 +142,11 @@ def _outer_parts(outer: object) -> tuple[type[Optimizer] | None, dict[str, Any]]
     return cls, kwargs
 
 
-def check_periodic(options: PeriodicOptions | None, delay: int, overrides: Mapping[str, str],
+def check_periodic(options: PeriodicOptions | None, overrides: Mapping[str, str],
                    compression: Collection[str] = ()) -> None:
-    """Refuse what makes no sense with periodic averaging (at construction, on every rank): another
-    consistency mode, and paths that could not carry parameters or pseudo-gradients (factor paths, and
-    lossy ones, whose error feedback is built for gradients)."""
+    """Refuse what makes no sense with periodic averaging (at construction, on every rank): paths that
+    could not carry parameters or pseudo-gradients (factor paths, and lossy ones, whose error feedback is
+    built for gradients)."""
     if options is None:
         return
     if compression:
@@ -134,10 +158,6 @@ def check_periodic(options: PeriodicOptions | None, delay: int, overrides: Mappi
         raise ValueError(f"overrides put {lossy} on the lossy path(s) {sorted({overrides[n] for n in lossy})}; with "
                          f"sync_every={options.sync_every} the sync carries parameters or pseudo-gradients, which "
                          "they would round or project: name an exact path, or leave those layers out")
-    if delay:
-        raise ValueError(f"PoseidonDDP options delay={delay} (Pipe-SGD: every step's averaged gradient, k steps late) "
-                         f"and sync_every={options.sync_every} (the parameters averaged every H steps, no gradient "
-                         "sent) are two consistency modes: choose one")
     factors = sorted(name for name, path in overrides.items() if path_class(path).factors)
     if factors:
         raise ValueError(f"overrides put {factors} on {sorted({overrides[n] for n in factors})}, which syncs gradients "
@@ -197,17 +217,32 @@ class Landing:
         raise RuntimeError("an outer sync took a factor path (internal error: refused at construction)")
 
 
+@dataclass
+class Flight:
+    """An outer sync in flight (``delay`` >= 1): the inner step after which it lands, and what each
+    parameter sent, kept as it was (``id(param)`` -> its value after the round's last step)."""
+
+    lands_after: int
+    sent: dict[int, Tensor]
+
+
 class Periodic(Mode):
-    """Periodic averaging (see the module docstring); a subclass says what a round sends and keeps."""
+    """Periodic averaging (see the module docstring); a subclass says what a round sends and how its
+    averages land."""
 
     lockstep = False  # no collective between syncs: no facts, no buffer broadcast, buckets fused once
     syncs_gradients = False
     first_fusion_bytes = sys.maxsize  # the wrapper's fusion_bytes: fewer, larger messages per sync
+    settles_in_next_pass = True  # no pass opens in a backward: a sync in flight settles where it lands
 
     def __init__(self, options: PeriodicOptions) -> None:
         self.options = options
         self.sync_every = options.sync_every
+        self.delay = options.delay
+        self.sync_nice = PipeSGD.sync_nice if self.delay else 0  # the training thread first while a sync flies
         self.steps = 0  #: inner steps taken (the last sync was after step steps - steps % sync_every)
+        self.averages: dict[int, Tensor] = {}  #: id(param) -> the average of what it sent, until it lands
+        self._flight: Flight | None = None
         self.engine: Engine | None = None
         self.outer: Optimizer | None = None  #: DiLoCo's
         self._synced: set[int] = set()
@@ -223,22 +258,28 @@ class Periodic(Mode):
         """The round's first inner step begins."""
 
     def payload(self, param: nn.Parameter) -> Tensor:
-        """What ``param`` sends at the end of the round."""
-        raise NotImplementedError
-
-    def take(self, param: nn.Parameter, average: Tensor) -> None:
-        """The average of what ``param`` sent (no_grad)."""
+        """What ``param`` sends at the end of the round (its value then: :meth:`sent_value`)."""
         raise NotImplementedError
 
     def round_ends(self) -> None:
-        """Every average of the round was taken."""
+        """The round lands: the parameters take the round's result from :attr:`averages` (no_grad; with a
+        delay, the steps taken meanwhile are added back afterwards)."""
+        raise NotImplementedError
+
+    def sent_value(self, param: nn.Parameter) -> Tensor:
+        """``param`` as it was when the round ended: kept aside while a sync flies, else the parameter."""
+        return param.detach() if self._flight is None else self._flight.sent[id(param)]
+
+    def take(self, param: nn.Parameter, average: Tensor) -> None:
+        """The average of what ``param`` sent, kept until the round lands."""
+        self.averages[id(param)] = average.clone()
 
     def round_state(self, names: dict[int, str]) -> dict:
         return {}
 
-    def load_round(self, entry: dict, params: dict[str, nn.Parameter], mid_round: bool) -> None:
-        """Restore :meth:`round_state` (checked first: a bad entry changes nothing); ``mid_round``: the
-        saved step count is not a multiple of H."""
+    def load_round(self, entry: dict, params: dict[str, nn.Parameter], steps: int) -> None:
+        """Restore :meth:`round_state` (checked first: a bad entry changes nothing), saved after ``steps``
+        inner steps."""
 
     # ---- the engine starts ------------------------------------------------------------------------
 
@@ -299,14 +340,39 @@ class Periodic(Mode):
         if not (self._inner_step(optimizer) and outermost_step(optimizer)):
             return
         self.steps += 1
+        if self._flight is not None and self.steps == self._flight.lands_after:
+            self._land()
         if self.steps % self.sync_every == 0:
-            self._sync()
+            self._send()
 
-    def _sync(self) -> None:
-        """The outer sync (collective: every rank after its H-th inner step of the round)."""
+    def defers(self, learned: bool) -> bool:
+        return self.delay > 0
+
+    def _send(self) -> None:
+        """The outer sync (collective: every rank after its H-th inner step of the round); without a delay
+        it lands at once."""
+        if self.delay:
+            params = self.engine.params
+            self._flight = Flight(self.steps + self.delay, {id(p): p.detach().clone() for p in params})
+        self.engine.sync_now()  # with a delay the pass is deferred: its jobs run on while the next steps compute
+        if not self.delay:
+            self._land()
+
+    @torch.no_grad()
+    def _land(self) -> None:
+        """The round's averages (waited for, if in flight) into the parameters, the steps taken meanwhile
+        kept on top; then the buffers (collective)."""
         engine = self.engine
-        engine.sync_now()
-        self.round_ends()  # before the buffers: a failure there leaves the round complete, not half applied
+        engine.settle()  # a sync in flight: its averages into take() (nothing when it settled already)
+        flight, self._flight = self._flight, None
+        landed = [p for p in engine.params if id(p) in self.averages]
+        drift = [] if flight is None else [p - flight.sent[id(p)] for p in landed]
+        try:
+            self.round_ends()  # before the buffers: a failure there leaves the round complete, not half applied
+        finally:
+            self.averages = {}
+        for p, steps_meanwhile in zip(landed, drift):
+            p.add_(steps_meanwhile)
         if self.options.average_buffers and engine.world_size > 1:
             average_into([b for b in engine.module.buffers() if b.is_floating_point()], engine.control)
 
@@ -317,13 +383,22 @@ class Periodic(Mode):
                            "reach every outer sync; give every rank the same number of batches "
                            "(DistributedSampler(drop_last=True))")
 
+    @property
+    def in_flight_steps(self) -> int:
+        return self.delay
+
     def state_dict(self, names: dict[int, str]) -> dict:
-        """The steps taken and what the round keeps (nothing is in flight between steps)."""
-        return {"delay": 0, "periodic": {"mode": self.name, "sync_every": self.sync_every, "steps": self.steps,
-                                         **self.round_state(names)}}
+        """The steps taken, what the round keeps, and a sync in flight (the caller settled it: its averages
+        are in): what was sent and its averages, by parameter name."""
+        flight = self._flight
+        entry = {"mode": self.name, "sync_every": self.sync_every, "steps": self.steps, **self.round_state(names)}
+        if flight is not None:
+            entry["in_flight"] = {"sent": {names[key]: t.clone() for key, t in flight.sent.items()},
+                                  "averages": {names[key]: t.clone() for key, t in self.averages.items()}}
+        return {"delay": self.delay, "periodic": entry}
 
     def load_state_dict(self, state: dict, params: dict[str, nn.Parameter]) -> None:
-        check_delay(state, 0)
+        check_delay(state, self.delay)
         entry = state.get("periodic")
         if not isinstance(entry, dict):
             raise ValueError(f"the consistency state was saved without sync_every (keys {sorted(state)}); this model "
@@ -336,8 +411,45 @@ class Periodic(Mode):
         steps = entry.get("steps")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             raise ValueError(f"consistency state 'steps' must be an int >= 0, got {steps!r}")
-        self.load_round(entry, params, mid_round=steps % self.sync_every != 0)
+        flight = self._checked_flight(entry.get("in_flight"), params, steps)
+        self.load_round(entry, params, steps)
         self.steps = steps
+        self._flight, self.averages = flight if flight is not None else (None, {})
+
+    def _flying_after(self, steps: int) -> bool:
+        """Whether a sync is in flight after ``steps`` inner steps: sent after step kH (k >= 1), it lands
+        after step kH + delay."""
+        return steps >= self.sync_every and steps % self.sync_every < self.delay
+
+    def _checked_flight(self, saved: object, params: dict[str, nn.Parameter], steps: int
+                        ) -> tuple[Flight, dict[int, Tensor]] | None:
+        """The saved sync in flight, checked against the step count and the parameters (nothing changes
+        when a check fails), as a :class:`Flight` and its averages."""
+        if self._flying_after(steps) != (saved is not None):
+            raise ValueError(f"consistency state 'in_flight' (a sync sent, not landed yet) must be there exactly when "
+                             f"one flies after steps={steps} with sync_every={self.sync_every}, delay={self.delay}: it "
+                             f"was {'there' if saved is not None else 'missing'}")
+        if saved is None:
+            return None
+        synced = {n for n, p in params.items() if id(p) in self._synced}
+        if not isinstance(saved, dict) or set(saved) != {"sent", "averages"}:
+            raise ValueError("consistency state 'in_flight' must be a dict with 'sent' and 'averages'")
+        sent, averages = saved["sent"], saved["averages"]
+        if not isinstance(sent, dict) or set(sent) != synced or not isinstance(averages, dict) or set(averages) - synced:
+            raise ValueError(f"consistency state 'in_flight' must hold what every synced parameter sent, and averages "
+                             f"of synced parameters only ({sorted(synced)})")
+        for what, entries in (("sent", sent), ("averages", averages)):
+            for name, value in entries.items():
+                if not isinstance(value, Tensor) or value.shape != params[name].shape:
+                    raise ValueError(f"consistency state 'in_flight' {what} for {name!r} does not have the parameter's "
+                                     f"shape {tuple(params[name].shape)}")
+
+        def restored(entries: dict) -> dict[int, Tensor]:
+            return {id(params[name]): value.detach().to(params[name].device, params[name].dtype).clone()
+                    for name, value in entries.items()}
+
+        lands_after = steps - steps % self.sync_every + self.delay
+        return Flight(lands_after, restored(sent)), restored(averages)
 
     def trace_args(self) -> dict:
         return {"inner_steps": self.steps}
@@ -354,10 +466,13 @@ class LocalSGD(Periodic):
     name = "local-sgd"
 
     def payload(self, param: nn.Parameter) -> Tensor:
-        return param.detach()
+        return self.sent_value(param)
 
-    def take(self, param: nn.Parameter, average: Tensor) -> None:
-        param.copy_(average)
+    def round_ends(self) -> None:
+        for p in self.engine.params:
+            average = self.averages.get(id(p))
+            if average is not None:
+                p.copy_(average)
 
 
 class DiLoCo(Periodic):
@@ -367,8 +482,8 @@ class DiLoCo(Periodic):
 
     def __init__(self, options: PeriodicOptions) -> None:
         super().__init__(options)
-        self._start: dict[int, Tensor] | None = None  #: id(param) -> its value when the round began
-        self._pseudo: dict[int, Tensor] = {}  #: id(param) -> the averaged pseudo-gradient, until the outer step
+        #: id(param) -> its value when the round began (with a delay: the last outer step's result)
+        self._start: dict[int, Tensor] | None = None
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
@@ -379,24 +494,24 @@ class DiLoCo(Periodic):
             self._start = {id(p): p.detach().clone() for p in self.engine.params}
 
     def payload(self, param: nn.Parameter) -> Tensor:
-        return self._start[id(param)] - param.detach()
-
-    def take(self, param: nn.Parameter, average: Tensor) -> None:
-        param.copy_(self._start[id(param)])
-        self._pseudo[id(param)] = average.clone()
+        return self._start[id(param)] - self.sent_value(param)
 
     def round_ends(self) -> None:
-        """The outer step: each parameter's ``.grad`` is its averaged pseudo-gradient for the step only."""
+        """The outer step from the round's start: each parameter's ``.grad`` is its averaged pseudo-gradient
+        for the step only. The next round starts from its result when a delay keeps steps on top of it,
+        else where its first inner step begins."""
         params = self.engine.params
         kept = [p.grad for p in params]
         for p in params:
-            p.grad = self._pseudo.get(id(p))
+            if id(p) in self.averages:
+                p.copy_(self._start[id(p)])
+            p.grad = self.averages.get(id(p))
         try:
             self.outer.step()
         finally:
             for p, grad in zip(params, kept):
                 p.grad = grad
-            self._pseudo, self._start = {}, None
+            self._start = {id(p): p.detach().clone() for p in params} if self.delay else None
 
     def round_state(self, names: dict[int, str]) -> dict:
         start = None if self._start is None else {names[key]: value.clone() for key, value in self._start.items()}
@@ -408,12 +523,14 @@ class DiLoCo(Periodic):
         cls = self.options.outer_class
         return {"class": f"{cls.__module__}.{cls.__qualname__}", "arguments": dict(self.options.outer_kwargs)}
 
-    def load_round(self, entry: dict, params: dict[str, nn.Parameter], mid_round: bool) -> None:
+    def load_round(self, entry: dict, params: dict[str, nn.Parameter], steps: int) -> None:
         start = entry.get("start")
-        if mid_round != (start is not None):
-            raise ValueError("consistency state 'start' (the round's start parameters) must be there exactly when "
-                             f"'steps' is not a multiple of sync_every={self.sync_every}: it was "
-                             f"{'missing' if mid_round else 'there'} at steps={entry.get('steps')!r}")
+        expected = steps > 0 if self.delay else steps % self.sync_every != 0
+        if expected != (start is not None):
+            when = "after the first step (with a delay)" if self.delay else \
+                f"'steps' is not a multiple of sync_every={self.sync_every}"
+            raise ValueError(f"consistency state 'start' (the round's start parameters) must be there exactly when "
+                             f"{when}: it was {'missing' if expected else 'there'} at steps={steps}")
         if start is not None:
             if not isinstance(start, dict) or set(start) != {n for n, p in params.items() if id(p) in self._synced}:
                 raise ValueError("consistency state 'start' must hold every synced parameter by name "

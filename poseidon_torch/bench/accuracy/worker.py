@@ -206,17 +206,29 @@ class StopRule:
 
 class PeriodicConsensus(LocalSGDConsensus):
     """:class:`LocalSGDConsensus` for PoseidonDDP(sync_every=H) with H the local SGD period: the ranks agree
-    at the start and after every H-th step (the sync runs inside that step)."""
+    at the start and after every H-th step (the sync runs inside that step). With ``delay`` d they agree
+    only at the start (each keeps its d steps on top of what lands), and a rank finishes step kH + d only
+    once every rank finished step kH (the sync it lands was sent by all): once rank 0 has done n steps, no
+    rank is past step kH + d - 1 for the first kH > n."""
+
+    def __init__(self, baselines: Baselines, delay: int = 0) -> None:
+        super().__init__(baselines)
+        self.delay = delay
 
     def _syncs(self, step: int) -> bool:
-        return step % self.period == 0
+        return step == 0 if self.delay else step % self.period == 0
+
+    def next_meeting(self, steps_done: int) -> int:
+        if not self.delay:
+            return super().next_meeting(steps_done)
+        return (steps_done // self.period + 1) * self.period + self.delay - 1
 
 
 def consensus_for(mode: str, baselines: Baselines) -> LocalSGDConsensus | None:
     """When the ranks of ``mode`` agree, for the modes whose ranks meet only every few steps."""
     if mode == LOCALSGD:
         return LocalSGDConsensus(baselines)
-    return PeriodicConsensus(baselines) if mode in PERIODIC_MODES else None
+    return PeriodicConsensus(baselines, DELAY_MODES.get(mode, 0)) if mode in PERIODIC_MODES else None
 
 
 def meeting_rule(mode: str, consensus: LocalSGDConsensus | None) -> Callable[[int], int]:
