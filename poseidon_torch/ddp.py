@@ -228,7 +228,7 @@ class PoseidonDDP(nn.Module, Joinable):
         compression: lossy paths the coordinator may choose per layer, where its cost model predicts them
             faster than the exact ones (default None: never; docs/compression.md): ``"powersgd"`` (rank-r
             PowerSGD with error feedback and warm start), ``"bf16"`` or ``"fp16"`` (reduced precision with
-            error feedback), a list of them, or a dict of each with its settings, e.g.
+            error feedback), ``"int8"`` (8 bits with a scale per block, error feedback), a list of them, or a dict of each with its settings, e.g.
             ``{"powersgd": {"rank": 8, "start_iter": 100}}``. They change the arithmetic: the averages are
             approximations whose errors are fed back into later steps.
         sync_every: periodic averaging (default None: every synced backward averages the gradients). With

@@ -154,7 +154,7 @@ layer_shapes = st.lists(st.lists(st.sampled_from([(16, 24), (9, 40), (4, 2, 3, 3
 
 @pytest.mark.slow
 @settings(max_examples=4, deadline=None)
-@given(layers=layer_shapes, path=st.sampled_from(["PowerSGD", "BF16", "FP16"]))
+@given(layers=layer_shapes, path=st.sampled_from(["PowerSGD", "BF16", "FP16", "INT8"]))
 def test_error_feedback_loses_nothing_on_generated_models_fp64(cluster, layers, path):
     results = cluster.run(cw.given_run, layers, path, STEPS, torch.float64, 0, settings_of(path))
     assert_ran(results, path, STEPS)
@@ -162,7 +162,7 @@ def test_error_feedback_loses_nothing_on_generated_models_fp64(cluster, layers, 
     assert_nothing_lost(results, layers, path, STEPS, torch.float64, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("path", ["PowerSGD", "BF16"])
+@pytest.mark.parametrize("path", ["PowerSGD", "BF16", "INT8"])
 def test_error_feedback_loses_nothing(cluster, path):
     """fp64: exact but for fp64 rounding; fp32: to fp32 rounding."""
     for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
@@ -191,6 +191,45 @@ def test_reduced_precision_average_is_the_documented_rounding(cluster, path, wir
             assert torch.equal(result["grads"][1][name], expected), (w, name)
 
 
+def int8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The documented quantization of flat ``x``, independently written: blocks of ``block`` (zero-padded),
+    scale = max |x| / 127, q = round(x / scale) in [-127, 127], back to q * scale."""
+    padded = torch.cat([x, x.new_zeros(-x.numel() % block)]).view(-1, block)
+    scale = padded.abs().max(dim=1).values / 127
+    q = torch.round(padded / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]).clamp(-127, 127)
+    return (q.to(torch.int8).to(x.dtype) * scale[:, None]).view(-1)[:x.numel()]
+
+
+@pytest.mark.parametrize("block", [256, 7])
+def test_int8_average_is_the_documented_rounding(cluster, block):
+    """Step 1 (the first on the path, residuals zero), one parameter per bucket: every rank applies
+    deq(quant(fp32 sum over ranks in rank order of deq(quant(g_rank)) / P)), bit for bit, with blocks of
+    256 (one block holds a whole small layer) and of 7 (blocks across the rows, a padded last one)."""
+    P, layers = cluster.world_size, (((16, 24),), ((30,),), ((33, 17),))
+    results = cluster.run(cw.given_run, layers, "INT8", 2, torch.float32, 0, {"start_iter": 1, "block": block})
+    assert_ran(results, "INT8", 2)
+    per_rank = [cw.gradients(layers, r, 1, torch.float32) for r in range(P)]
+    for i, name in enumerate(cw.names(layers)):
+        total = int8_round_trip(per_rank[0][i].reshape(-1), block)
+        for r in range(1, P):
+            total += int8_round_trip(per_rank[r][i].reshape(-1), block)
+        expected = int8_round_trip(total / P, block).view(per_rank[0][i].shape)
+        for w, result in enumerate(results):
+            assert torch.equal(result["grads"][1][name], expected), (w, name)
+
+
+def test_int8_sends_about_a_quarter(cluster):
+    """Over all ranks, the PS path's formula for n + 4 n / B bytes (values and fp32 scales) plus the flags
+    in fp32, against 4 n (and the flags) on PS in step 0."""
+    P, layers = cluster.world_size, (((64, 40),),)
+    results = cluster.run(cw.given_run, layers, "INT8", 2, torch.float32, 0, {"start_iter": 1, "block": 256})
+    n, flags = 64 * 40, 2
+    on_ps, on_int8 = (sum(result["by_path"][step].get(path, 0) for result in results) for step, path in
+                      ((0, "PS"), (1, "INT8")))
+    assert on_ps == 2 * (P - 1) * 4 * (n + flags)
+    assert on_int8 == 2 * (P - 1) * (n + 4 * (n // 256) + 4 * flags), (on_int8, on_ps)
+
+
 def test_fp16_saturates_instead_of_overflowing(cluster):
     """A gradient beyond fp16's range is sent as 65504; the excess stays in the residual (nothing is inf)."""
     results = cluster.run(cw.given_run, (((3,),),), "FP16", 2, torch.float32, 0, None, 0, 1e6)
@@ -201,7 +240,7 @@ def test_fp16_saturates_instead_of_overflowing(cluster):
         assert result["state"]["paths"]["FP16"]["residual"]["layers.0.p0"].abs().max() > 1e5
 
 
-@pytest.mark.parametrize("path", ["PowerSGD", "BF16"])
+@pytest.mark.parametrize("path", ["PowerSGD", "BF16", "INT8"])
 def test_a_late_gradient_is_averaged_exactly_and_leaves_no_residual(cluster, path):
     """The shared layer's bucket syncs on the lossy path, then more gradient arrives: the bucket is
     averaged again, whole and exactly, and the lossy sync's residual is dropped with its average (kept,
@@ -273,7 +312,7 @@ def test_powersgd_composes_with_pipe_sgd(cluster):
 SPEC = ModelSpec(conv_channels=(4,), widths=(24, 16), image=5)
 
 
-@pytest.mark.parametrize("path", ["PowerSGD", "BF16"])
+@pytest.mark.parametrize("path", ["PowerSGD", "BF16", "INT8"])
 def test_a_resumed_run_continues_bit_for_bit(cluster, path):
     """6 steps straight against 3, a checkpoint (model, optimizer, consistency state), a fresh wrapper
     and 3 more: the same parameters on every rank, bit for bit; without the consistency state they
@@ -443,12 +482,13 @@ def test_a_refused_checkpoint_changes_nothing(cluster):
         assert after.get("coordinator") == before.get("coordinator"), (before, after)
 
 
-def test_an_overflowed_step_leaves_the_residuals_as_they_were(cluster):
+@pytest.mark.parametrize("path", ["PowerSGD", "INT8"])
+def test_an_overflowed_step_leaves_the_residuals_as_they_were(cluster, path):
     """An inf in one rank's gradient (an fp16 overflow under GradScaler, which skips that step) gives a
-    non-finite PowerSGD average on every rank for that step only: the residuals and the warm-start Q stay
-    as before it, instead of taking inf or NaN and making every later average non-finite (every later
-    step skipped, for good, on the old code). (The bf16/fp16 casts saturate instead: finite throughout.)"""
-    path = "PowerSGD"
+    non-finite average on every rank for that step only (INT8: the inf's block scale is inf): the
+    residuals (and PowerSGD's warm-start Q) stay as before it, instead of taking inf or NaN and making
+    every later average non-finite (every later step skipped, for good, on the old code). (The bf16/fp16
+    casts saturate instead: finite throughout.)"""
     for out in cluster.run(cw.overflow_once, LAYERS, path, 5, 2):  # the first pass is exact: no residual yet
         assert out["finite"] == [True, True, False, True, True], out["finite"]
         before, after = out["residuals"]

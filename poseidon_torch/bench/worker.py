@@ -26,7 +26,9 @@ baselines of a slow network
 (a world of one rank, the runner starts it alone). The compressed modes: ``poseidon-powersgd`` (PoseidonDDP
 hybrid with ``compression={"powersgd": ...}`` at the baseline's ``--powersgd-rank`` and
 ``--powersgd-start-iter``, so it is compared with ``torch-ddp-powersgd`` at the same settings),
-``poseidon-powersgd-delay1`` (the same with ``delay=1``) and ``poseidon-bf16`` (``compression="bf16"``).
+``poseidon-powersgd-delay1`` (the same with ``delay=1``), ``poseidon-bf16`` (``compression="bf16"``) and
+``poseidon-int8`` (``compression="int8"``). ``poseidon-localsgd-delay3`` is ``poseidon-localsgd`` with
+``delay=3``: each sync overlaps the next 3 steps.
 All modes use gloo, initialised from the env variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
 Invariants:
@@ -80,7 +82,8 @@ SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy
 DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2, "poseidon-ps-delay1": 1, "poseidon-powersgd-delay1": 1,
                "poseidon-localsgd-delay3": 3}
 #: the lossy path each compressed mode names (``compression=``)
-COMPRESSION_MODES = {"poseidon-powersgd": "powersgd", "poseidon-powersgd-delay1": "powersgd", "poseidon-bf16": "bf16"}
+COMPRESSION_MODES = {"poseidon-powersgd": "powersgd", "poseidon-powersgd-delay1": "powersgd", "poseidon-bf16": "bf16",
+                     "poseidon-int8": "int8"}
 #: periodic averaging, ``sync_every`` = the local SGD baseline's period: whether DiLoCo's outer optimizer runs
 PERIODIC_MODES = {"poseidon-localsgd": False, "poseidon-diloco": True, "poseidon-localsgd-delay3": False}
 PS_ONLY_MODES = ("poseidon-ps", "poseidon-ps-python", "poseidon-ps-delay1")  #: every layer on the PS path

@@ -20,6 +20,7 @@ import torch
 from .allreduce import AllReducePath
 from .base import (AtOwners, BucketCost, FCCost, GradWriter, Job, OnEveryRank, Path, PathEnv, Prediction,
                    SyncContext, WrappedPath, drive)
+from .int8 import Int8Path
 from .lossy import LossyPath
 from .powersgd import PowerSGDPath
 from .precision import BF16Path, FP16Path
@@ -34,6 +35,7 @@ REGISTERED: tuple[type[Path], ...] = (
     PowerSGDPath,
     BF16Path,
     FP16Path,
+    Int8Path,
 )
 
 

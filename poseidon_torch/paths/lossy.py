@@ -101,6 +101,14 @@ class LossyPath(Path):
         """``param``'s residual after this sync, kept if the sync's average is written (:meth:`write`)."""
         self._pending.setdefault(id(bucket), {})[id(param)] = residual
 
+    def propose_all(self, bucket: Bucket, residuals: Tensor, ctx: SyncContext) -> bool:
+        """Every parameter's new residual, ``residuals`` laid out as the bucket's flat gradients
+        (:meth:`propose`); what the sync returns: the flags the average carries (nothing on a joined
+        rank's shadow pass)."""
+        for p, residual in bucket.views(residuals):
+            self.propose(bucket, p, residual)
+        return False if ctx.shadow else bucket.read_flags()
+
     def write(self, bucket: Bucket, grads: GradWriter, late: bool) -> None:
         """The average into ``grads``; the sync's residuals replace the old ones of the parameters some
         rank used (late: the bucket is synced again exactly, the old residuals stay; a non-finite average,
@@ -158,6 +166,19 @@ class LossyPath(Path):
             device = self.env.wire_device
             checked[name] = value.detach().to(device, self.compute_dtype(param.dtype), copy=True)
         return checked
+
+
+def add_owner_rounding(residuals: Tensor, owned: Sequence[tuple[Tensor, list[Tensor]]], buffer: Tensor,
+                       rounding: Sequence[Tensor], size: int) -> None:
+    """Add ``size`` (P) times what rounding each owned chunk's mean lost (``rounding``, flat, in chunk
+    order) to the ``residuals`` of its gradients: ``owned`` is the schedule's aggregate list, its chunks
+    views of ``buffer``, whose first elements are laid out as the residuals (the rest are flags or
+    padding). The mean of the ranks' residuals then carries the owner's rounding too."""
+    for (own, _), lost in zip(owned, rounding):
+        start = own.storage_offset() - buffer.storage_offset()
+        stop = min(start + own.numel(), residuals.numel())
+        if stop > start:
+            residuals[start:stop] += lost[:stop - start].to(residuals.dtype) * size
 
 
 def _check_setting(shown: str, key: str, value: object, default: object, minimum: float | None) -> None:

@@ -35,7 +35,7 @@ from ..bucket import Bucket
 from ..link import LinkModel
 from ..pools import ChannelGroups
 from .base import BucketCost, PathEnv, Prediction, SyncContext
-from .lossy import LossyPath
+from .lossy import LossyPath, add_owner_rounding
 from .ps import Chunk, Schedule, build_schedule, plan_chunks, predict_ps, run_messages
 
 #: bytes of memory traffic per element of a sync, besides the wire's own bytes (see the module docstring)
@@ -108,21 +108,8 @@ class CastPath(LossyPath):
         bucket.outcome = self.name
         yield "decompress"
         bucket.flat.copy_(wire.buffer)
-        _keep_owner_rounding(m, wire, rounding, size)
-        for p, residual in bucket.views(m):
-            self.propose(bucket, p, residual)
-        if ctx.shadow:
-            return False
-        return bucket.read_flags()
-
-
-def _keep_owner_rounding(residuals: Tensor, wire: Wire, rounding: list[Tensor], size: int) -> None:
-    """Add P times the rounding of each owned chunk's mean to the ``residuals`` of its gradient part."""
-    for (own, _), lost in zip(wire.schedule.aggregate, rounding):
-        start = own.storage_offset() - wire.buffer.storage_offset()
-        stop = min(start + own.numel(), residuals.numel())
-        if stop > start:
-            residuals[start:stop] += lost[:stop - start].to(residuals.dtype) * size
+        add_owner_rounding(m, wire.schedule.aggregate, wire.buffer, rounding, size)
+        return self.propose_all(bucket, m, ctx)
 
 
 def _average_into(own: Tensor, parts: list[Tensor], world_size: int, dtype: torch.dtype) -> Tensor:

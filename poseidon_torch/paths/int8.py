@@ -1,0 +1,174 @@
+"""8 bits per value with a scale per block, and error feedback: ``compression="int8"`` (blockwise
+quantization as in 8-bit optimizers, Dettmers et al. 2022; error feedback as in 1-bit SGD, Seide et al.
+2014). The bucket travels the parameter-server path's way (push to the chunk owners, aggregate, pull).
+
+One sync, with M = gradient + residual per parameter (``lossy.py``), laid out as the bucket's flat
+gradients and cut into blocks of B elements (setting ``block``, default 256; the last block padded with
+zeros), and P ranks:
+- every rank quantizes each block: scale = max |x| / 127 and q = round(x / scale) (halves to even, as
+  ``torch.round``), an int8 in [-127, 127] (a block of zeros: scale 0, q 0), and pushes
+  each chunk's values and scales (fp32, fp64 for an fp64 bucket) to the chunk's owner;
+- an owner dequantizes each rank's part (q * scale), sums the parts in rank order, divides by P,
+  quantizes that mean the same way and pulls its values and scales to every rank, so every rank applies
+
+      average = deq(quant( sum over ranks in rank order of deq(quant(M_rank)) / P ))
+
+  bit-identical on every rank; the bucket's flags travel beside the scales, in their dtype, averaged as on
+  the PS path;
+- each rank's new residual is M - deq(quant(M)); the owner of a chunk also keeps P times what quantizing
+  the chunk's mean lost, so the mean of the residuals carries that too and error feedback loses nothing.
+A value that is not finite makes its block's scale inf or NaN, so the average is not finite there on
+every rank: GradScaler skips the step and the residuals stay (nothing saturates, unlike the fp16 cast).
+
+Bytes one rank sends: those of the PS path for n (1 + 4 / B) bytes (n elements, fp32 scales): 2 (P-1)/P
+of that, about a quarter of an fp32 bucket's. Compute: a dozen passes over the bucket in memory (the
+residual added, the block maxima, the division and rounding, the new residual; at the owner the
+dequantized sum and its quantization), about :data:`_BYTES_PER_ELEMENT` bytes moved per element.
+"""
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ..bucket import Bucket
+from ..link import LinkModel
+from ..pools import ChannelGroups
+from .base import BucketCost, PathEnv, Prediction, SyncContext
+from .lossy import LossyPath, add_owner_rounding
+from .ps import Chunk, Schedule, build_schedule, plan_chunks, predict_ps, run_messages
+
+#: the largest magnitude of a quantized value
+_LEVELS = 127
+#: bytes of memory traffic per element of a sync besides the wire's own (see the module docstring)
+_BYTES_PER_ELEMENT = 48
+
+
+def quantize(x: Tensor, values: Tensor, scales: Tensor) -> None:
+    """``x`` (blocks x B) quantized per row into ``values`` (int8, blocks x B) and ``scales`` (blocks)."""
+    scale = x.abs().amax(dim=1).div_(_LEVELS)
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))  # a block of zeros: every q is 0
+    values.copy_(torch.round(x / divisor[:, None]).clamp_(-_LEVELS, _LEVELS))
+    scales.copy_(scale)
+
+
+def dequantize(values: Tensor, scales: Tensor) -> Tensor:
+    """What ``values`` (int8, blocks x B) with ``scales`` (blocks) stand for, in the scales' dtype."""
+    return values.to(scales.dtype) * scales[:, None]
+
+
+@dataclass
+class Wire:
+    """A bucket's quantized copy: its values (int8, whole blocks), its scales followed by the bucket's
+    flags (``side``), and the push / aggregate / pull schedule of each."""
+
+    values: Tensor
+    side: Tensor
+    blocks: int
+    of_values: Schedule
+    of_side: Schedule
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.of_values.bytes_sent + self.of_side.bytes_sent
+
+
+class Int8Path(LossyPath):
+    """The bucket sent as int8 with a scale per block, through the chunk owners, with error feedback at
+    both ends."""
+
+    name = "INT8"
+    option = "int8"
+    defaults: ClassVar[dict[str, int]] = {"start_iter": 1, "block": 256}
+    minimums: ClassVar[dict[str, float]] = {"start_iter": 1, "block": 1}
+
+    def __init__(self, env: PathEnv) -> None:
+        super().__init__(env)
+        self.block: int = self.settings["block"]
+        self._chunks: dict[int, list[Chunk]] = {}  #: id(bucket) -> its chunks, in blocks
+        self._wires: dict[int, Wire] = {}  #: id(bucket) -> its wire, from its first sync on
+
+    def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
+                memory_bps: float | None = None) -> Prediction | None:
+        """None for a bucket of bytes already, or without the memory bandwidth."""
+        if cost.element_size <= 1 or memory_bps is None:
+            return None
+        elements = cost.nbytes / cost.element_size
+        sent, seconds = predict_ps(elements * (1 + 4 / self.block), world_size, link)
+        compute_s = elements * _BYTES_PER_ELEMENT / memory_bps
+        return Prediction(sent, seconds + compute_s, compute_s)
+
+    def prepare(self, buckets: Sequence[Bucket]) -> None:
+        """Plan every bucket's chunks in whole blocks (a block and its scale: B + 4 bytes), dealt as the
+        PS path deals its own; the wires are made at a bucket's first sync on this path."""
+        super().prepare(buckets)
+        blocks = [-(-b.grad_numel // self.block) for b in buckets]
+        plan = plan_chunks(blocks, [self.block + 4] * len(buckets), self.world_size, self.env.chunk_bytes)
+        self._chunks = {id(bucket): chunks for bucket, chunks in zip(buckets, plan)}
+        self._wires = {}
+
+    def _wire_of(self, bucket: Bucket) -> Wire:
+        wire = self._wires.get(id(bucket))
+        if wire is None:
+            wire = self._wires[id(bucket)] = self._new_wire(bucket)
+        return wire
+
+    def _new_wire(self, bucket: Bucket) -> Wire:
+        """The buffers and schedules of ``bucket``: chunk i carries blocks [a, b) as values [a B, b B) and
+        side [a, b) (the last one the flags too), under tags i and i + chunks."""
+        chunks, block, device = self._chunks[id(bucket)], self.block, bucket.flat.device
+        blocks = -(-bucket.grad_numel // block)
+        flags = bucket.flat.numel() - bucket.grad_numel
+        values = torch.zeros(blocks * block, dtype=torch.int8, device=device)
+        side = torch.zeros(blocks + flags, dtype=self.compute_dtype(bucket.dtype), device=device)
+        value_chunks = [Chunk(c.start * block, c.stop * block, c.owner, c.tag) for c in chunks]
+        side_chunks = [Chunk(c.start, side.numel() if c is chunks[-1] else c.stop, c.owner, c.tag + len(chunks))
+                       for c in chunks]
+        return Wire(values, side, blocks, build_schedule(values, values.numel(), value_chunks, self.rank, self.world_size),
+                    build_schedule(side, side.numel(), side_chunks, self.rank, self.world_size))
+
+    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, bool]:
+        wire, n, size = self._wire_of(bucket), bucket.grad_numel, groups.size
+        yield "compress"
+        m = self.with_residuals(bucket, ctx)
+        padded = torch.zeros(wire.values.numel(), dtype=m.dtype, device=m.device)
+        padded[:n] = m
+        blocks = padded.view(wire.blocks, self.block)
+        quantize(blocks, wire.values.view(wire.blocks, self.block), wire.side[:wire.blocks])
+        m -= dequantize(wire.values.view(wire.blocks, self.block), wire.side[:wire.blocks]).view(-1)[:n]
+        wire.side[wire.blocks:].copy_(bucket.flat[n:])
+        yield "network"
+        for values, side in zip(wire.of_values.push, wire.of_side.push):
+            run_messages(values + side, groups)
+        rounding = [self._average_into(own, parts, side_own, side_parts, size)
+                    for (own, parts), (side_own, side_parts) in zip(wire.of_values.aggregate, wire.of_side.aggregate)]
+        for values, side in zip(wire.of_values.pull, wire.of_side.pull):
+            run_messages(values + side, groups)
+        bucket.bytes_sent = wire.bytes_sent
+        bucket.outcome = self.name
+        yield "decompress"
+        average = dequantize(wire.values.view(wire.blocks, self.block), wire.side[:wire.blocks]).view(-1)
+        bucket.flat[:n].copy_(average[:n])
+        bucket.flat[n:].copy_(wire.side[wire.blocks:])
+        add_owner_rounding(m, wire.of_values.aggregate, wire.values, rounding, size)
+        return self.propose_all(bucket, m, ctx)
+
+    def _average_into(self, own: Tensor, parts: list[Tensor], side_own: Tensor, side_parts: list[Tensor],
+                      size: int) -> Tensor:
+        """An owned chunk: the mean of every rank's dequantized part (summed in rank order), quantized into
+        ``own`` and the scales of ``side_own``, its flags (if it carries them) averaged; what the
+        quantization of the mean lost, flat."""
+        blocks = own.numel() // self.block
+        total = None
+        for part, side in zip(parts, side_parts):
+            value = dequantize(part.view(blocks, self.block), side[:blocks])
+            total = value if total is None else total.add_(value)
+        mean = total.div_(size)
+        quantize(mean, own.view(blocks, self.block), side_own[:blocks])
+        flags = [side[blocks:] for side in side_parts]
+        if flags[0].numel():
+            side_own[blocks:].copy_(torch.stack(flags).sum(dim=0).div_(size))
+        return mean.sub_(dequantize(own.view(blocks, self.block), side_own[:blocks])).view(-1)
