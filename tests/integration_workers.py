@@ -230,7 +230,7 @@ def hf_train(rank: int, world_size: int, wrapper: str, server: bool | dict, root
     checkpoint every so many steps; ``stop_at``: stop after that step (an interrupted run); ``resume``:
     continue from the last checkpoint in the output directory; ``training``: TrainingArguments to
     change; ``poseidon``: PoseidonTrainer's ``poseidon_options``; ``network``: "gpt2" or "tiny" (:class:`TinyLM`). Returns the parameters, the logged
-    norms, the graphs dynamo compiled and the options the PoseidonDDP got."""
+    norms, the graphs dynamo compiled, the options the PoseidonDDP got and the syncs it counted."""
     launched_as(rank, world_size)
     from torch._dynamo.utils import counters
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -264,12 +264,12 @@ def hf_train(rank: int, world_size: int, wrapper: str, server: bool | dict, root
     counters.clear()
     trainer.train(resume_from_checkpoint=True if resume else None)
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
-    options = None
+    options, syncs = None, None
     if wrapper == "poseidon" and trainer.poseidon_model is not None:
-        options = trainer.poseidon_model.options
+        options, syncs = trainer.poseidon_model.options, trainer.poseidon_model.comm_stats.iterations
         trainer.poseidon_model.close()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms,
-            "graphs": counters["stats"]["unique_graphs"], "options": options,
+            "graphs": counters["stats"]["unique_graphs"], "options": options, "syncs": syncs,
             "files": sorted(os.listdir(os.path.join(out_dir, f"checkpoint-{save_every}"))) if save_every else []}
 
 
@@ -399,3 +399,27 @@ def accelerate_server_save_state(rank: int, world_size: int, root: str) -> dict:
         resumed = _params(model)
         wrapped.close()
     return {"saved": saved, "whole": whole, "resumed": resumed}
+
+
+def lightning_periodic(rank: int, world_size: int, root: str, accumulate: int, options: dict) -> dict:
+    """``PoseidonStrategy(**options)`` (``sync_every`` and maybe ``delay``) for 6 optimizer steps of AdamW,
+    ``accumulate`` batches each: the initial and final parameters, every batch this rank trained on, and
+    the syncs counted after each batch (Lightning's closure runs the first forward inside the first
+    ``step()``)."""
+    launched_as(rank, world_size)
+    pl, ours = _lightning("lightning.pytorch")
+    batches, syncs = [], []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, index):
+            batches.append([t.clone() for t in batch])
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, index):
+            syncs.append(trainer.strategy.model.comm_stats.iterations)
+
+    model = _regressor(pl, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05))
+    initial = _params(model)
+    trainer = _quiet_trainer(pl, world_size, root, strategy=ours.PoseidonStrategy(timeout=60, **options), max_steps=6,
+                             accumulate_grad_batches=accumulate, callbacks=[Record()])
+    trainer.fit(model, _regression_data())
+    return {"initial": initial, "params": _params(model), "batches": batches, "syncs": syncs}

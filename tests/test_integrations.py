@@ -10,6 +10,8 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import integration_workers
 
@@ -141,6 +143,78 @@ def test_lightning_refuses_a_pipe_sgd_checkpoint_in_another_mode_saying_what_to_
         error = outcome["error"]
         assert error is not None and "delay=1" in error and "delay=0" in error, error
         assert "resume with delay=1" in error and "'poseidon_consistency'" in error, error
+
+
+def _periodic_reference(results: list[dict], accumulate: int, sync_every: int, delay: int) -> list[dict]:
+    """Local SGD in one process on the batches each rank trained on: one replica per rank from the same
+    start, AdamW on the mean over its ``accumulate`` micro-batches per step (Lightning divides each
+    micro-batch's loss by it), the parameters averaged (summed in rank order, / P) after every
+    ``sync_every``-th step and landing ``delay`` steps later with the steps taken meanwhile on top."""
+    replicas = []
+    for result in results:
+        net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+        net.load_state_dict({name.removeprefix("net."): value for name, value in result["initial"].items()})
+        replicas.append((net, torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.05), result["batches"]))
+    landing = None
+    for step in range(len(results[0]["batches"]) // accumulate):
+        for net, opt, batches in replicas:
+            opt.zero_grad()
+            for x, y in batches[step * accumulate:(step + 1) * accumulate]:
+                (F.mse_loss(net(x), y) / accumulate).backward()
+            opt.step()
+        with torch.no_grad():
+            if landing is not None and landing[0] == step + 1:
+                for (net, _, _), sent in zip(replicas, landing[2]):
+                    for p, average, was in zip(net.parameters(), landing[1], sent):
+                        drift = p - was
+                        p.copy_(average).add_(drift)
+                landing = None
+            if (step + 1) % sync_every == 0:
+                columns = list(zip(*(list(net.parameters()) for net, _, _ in replicas)))
+                averages = [sum(column[1:], column[0].clone()) / len(column) for column in columns]
+                sent = [[p.detach().clone() for p in net.parameters()] for net, _, _ in replicas]
+                landing = (step + 1 + delay, averages, sent)
+                if not delay:
+                    for net, _, _ in replicas:
+                        for p, average in zip(net.parameters(), averages):
+                            p.copy_(average)
+                    landing = None
+    return [{"net." + name: p.detach().clone() for name, p in net.named_parameters()} for net, _, _ in replicas]
+
+
+@pytest.mark.parametrize("accumulate, delay", [(1, 0), (2, 0), (1, 1)], ids=["plain", "accumulate-2", "delay-1"])
+def test_lightning_periodic_averaging_equals_the_simulation(cluster, tmp_path, accumulate, delay):
+    """PoseidonStrategy(sync_every=2) for 6 optimizer steps: every rank's parameters equal local SGD in one
+    process on the batches that rank saw (rtol 1e-5), with optimizer steps counted, not batches (Lightning's
+    gradient accumulation), and with delay=1; syncs after steps 2, 4 and 6 (with a delay counted when they
+    land, the last one when fit ends)."""
+    options = {"sync_every": 2, "delay": delay}
+    results = cluster.run(integration_workers.lightning_periodic, str(tmp_path), accumulate, options)
+    reference = _periodic_reference(results, accumulate, 2, delay)
+    for rank, (result, expected) in enumerate(zip(results, reference)):
+        assert len(result["batches"]) == 6 * accumulate
+        for name, value in expected.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+        steps = [(b + 1) // accumulate for b in range(6 * accumulate)]  # optimizer steps after each batch
+        assert result["syncs"] == [len([k for k in (2, 4, 6) if k + delay <= s]) for s in steps], result["syncs"]
+    same = torch.equal(results[0]["params"]["net.0.weight"], results[1]["params"]["net.0.weight"])
+    assert same == (delay == 0)  # the last sync lands in step 6, or (delay=1) never: each rank keeps its own
+
+
+@pytest.mark.parametrize("steps", [4, 3])
+def test_hf_trainer_honours_sync_every(cluster, tmp_path, steps):
+    """poseidon_options={"sync_every": 2} under the Trainer's gradient accumulation (2 micro-batches per
+    step): it syncs after every 2nd optimizer step, not micro-batch (2 syncs in 4 steps, 1 in 3), the ranks
+    hold the same parameters after a step that synced and their own after one that did not, and the
+    result is not BSP's."""
+    ours = hf_train(cluster, "poseidon", False, tmp_path, steps=steps, poseidon={"timeout": 60, "sync_every": 2})
+    bsp = hf_train(cluster, "poseidon", False, tmp_path / "bsp", steps=steps)
+    assert all(result["syncs"] == steps // 2 for result in ours), [result["syncs"] for result in ours]
+    assert all(result["options"].periodic.sync_every == 2 for result in ours)
+    same = all(torch.equal(value, ours[1]["params"][name]) for name, value in ours[0]["params"].items())
+    assert same == (steps % 2 == 0)
+    assert any(not torch.equal(value, bsp[0]["params"][name]) for name, value in ours[0]["params"].items())
 
 
 def test_pytorch_lightning_takes_the_strategy_by_name(cluster, tmp_path):
