@@ -204,8 +204,9 @@ def int8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
 def test_int8_average_is_the_documented_rounding(cluster, block):
     """Step 1 (the first on the path, residuals zero), one parameter per bucket: every rank applies
     deq(quant(fp32 sum over ranks in rank order of deq(quant(g_rank)) / P)), bit for bit, with blocks of
-    256 (one block holds a whole small layer) and of 7 (blocks across the rows, a padded last one)."""
-    P, layers = cluster.world_size, (((16, 24),), ((30,),), ((33, 17),))
+    256 (one block holds a whole small layer) and of 7 (blocks across the rows, a padded last one); the
+    300 x 200 layer is cut into chunks that different ranks own."""
+    P, layers = cluster.world_size, (((16, 24),), ((30,),), ((33, 17),), ((300, 200),))
     results = cluster.run(cw.given_run, layers, "INT8", 2, torch.float32, 0, {"start_iter": 1, "block": block})
     assert_ran(results, "INT8", 2)
     per_rank = [cw.gradients(layers, r, 1, torch.float32) for r in range(P)]

@@ -102,11 +102,13 @@ class Int8Path(LossyPath):
         return Prediction(sent, seconds + compute_s, compute_s)
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
-        """Plan every bucket's chunks in whole blocks (a block and its scale: B + 4 bytes), dealt as the
-        PS path deals its own; the wires are made at a bucket's first sync on this path."""
+        """Plan every bucket's chunks in whole blocks (a block and its scale: B + 4 bytes; at least one
+        block per chunk, whatever ``chunk_bytes``), dealt as the PS path deals its own; the wires are made at
+        a bucket's first sync on this path."""
         super().prepare(buckets)
         blocks = [-(-b.grad_numel // self.block) for b in buckets]
-        plan = plan_chunks(blocks, [self.block + 4] * len(buckets), self.world_size, self.env.chunk_bytes)
+        block_bytes = self.block + 4
+        plan = plan_chunks(blocks, [block_bytes] * len(buckets), self.world_size, max(self.env.chunk_bytes, block_bytes))
         self._chunks = {id(bucket): chunks for bucket, chunks in zip(buckets, plan)}
         self._wires = {}
 
