@@ -372,10 +372,10 @@ def model_of(shapes: cw.Layers) -> list[Layer]:
 
 @settings(max_examples=40, deadline=None)
 @given(layers=layer_shapes, world_size=st.integers(2, 16), gbps=st.sampled_from([0.001, 0.1, 1.0, 10.0, 1000.0]),
-       lossy=st.sampled_from([(), ("powersgd",), ("bf16",), ("powersgd", "fp16")]))
+       lossy=st.sampled_from([(), ("powersgd",), ("bf16",), ("powersgd", "fp16"), ("int8",), ("powersgd", "int8")]))
 def test_the_coordinator_picks_a_lossy_path_only_when_asked_and_predicted_faster(layers, world_size, gbps, lossy):
     plan = plan_of(model_of(layers), world_size, LinkModel.from_gbps(gbps, 10.0), lossy)
-    allowed = {path: path_class(path).option for path in ("PowerSGD", "BF16", "FP16")}
+    allowed = {path: path_class(path).option for path in ("PowerSGD", "BF16", "FP16", "INT8")}
     for row in plan.rows:
         shown_lossy = {path for path in row.predictions if path in allowed}
         assert shown_lossy <= {path for path, option in allowed.items() if option in lossy}, row
@@ -396,6 +396,17 @@ def test_the_coordinator_compresses_where_it_pays_and_not_elsewhere():
     fast = plan_of(layers, 4, LinkModel.from_gbps(10000.0), ("powersgd",)).layer_paths()
     assert fast == {"layers.0": "PS", "layers.1": "PS"}, fast
     assert set(plan_of(layers, 4, LinkModel.from_gbps(0.1), ()).layer_paths().values()) == {"PS"}
+
+
+@pytest.mark.parametrize("lossy, path", [("int8", "INT8"), ("bf16", "BF16")])
+def test_a_cast_compresses_over_a_slow_link_and_not_a_fast_one(lossy, path):
+    """With the calibrated compute (module docstrings of paths/int8.py and paths/precision.py; memory at
+    10 GB/s here): a 1024 x 1024 layer at 2 ranks goes on the cast over 0.1 Gbit/s and stays exact over
+    1 Gbit/s, where its compute (int8: 44 ns per element, bf16: 25) costs more than the bytes it saves (24
+    and 16 ns); the uncalibrated counts (4.8 and 3.6 ns) put it on the cast there too."""
+    layers = model_of((((1024, 1024),),))
+    assert plan_of(layers, 2, LinkModel.from_gbps(0.1), (lossy,)).layer_paths() == {"layers.0": path}
+    assert plan_of(layers, 2, LinkModel.from_gbps(1.0), (lossy,)).layer_paths() == {"layers.0": "PS"}
 
 
 def test_a_lossy_path_waits_for_its_start_iter():

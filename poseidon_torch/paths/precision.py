@@ -18,8 +18,11 @@ One sync, with M = gradient + residual per parameter (``lossy.py``) and P ranks:
 
 Bytes one rank sends: those of the PS path for a buffer of the wire dtype, 2 (P-1)/P of (flat numel x
 2 bytes): half of an fp32 bucket's. Compute: a few passes over the bucket in memory (the residual
-added, the cast, the new residual, the upcast), about 8 bytes moved per fp32 element, at the memory
-bandwidth. Setting: ``start_iter`` (1: from the second synced pass on, as every path off the default
+added, the saturating cast, the new residual; the owner's sum and rounding; the upcast), costed as
+:data:`_BYTES_PER_ELEMENT` bytes per fp32 element at the probed memory bandwidth: a calibration, not a
+count (on the 2-core CI machine, one thread, 3.3 M elements: 6.9 ns of CPU per element on every rank,
+8.1 at an owner for its chunk's elements with P = 2, 0.3 to apply: about 11 ns, against the probe's
+23 GB/s; the earlier count of 36 bytes predicted 7 times too little). Setting: ``start_iter`` (1: from the second synced pass on, as every path off the default
 one). A bucket of the wire dtype or smaller is not this path's (nothing to gain).
 """
 from __future__ import annotations
@@ -38,8 +41,8 @@ from .base import BucketCost, PathEnv, Prediction, SyncContext
 from .lossy import LossyPath, add_owner_rounding
 from .ps import Chunk, Schedule, build_schedule, plan_chunks, predict_ps, run_messages
 
-#: bytes of memory traffic per element of a sync, besides the wire's own bytes (see the module docstring)
-_PASSES_PER_ELEMENT = 8
+#: the compute of a sync per fp32 element, in bytes at the probed memory bandwidth (module docstring)
+_BYTES_PER_ELEMENT = 250
 
 
 @dataclass
@@ -68,7 +71,7 @@ class CastPath(LossyPath):
             return None
         elements = cost.nbytes / cost.element_size
         sent, seconds = predict_ps(elements * wire_size, world_size, link)
-        compute_s = elements * (_PASSES_PER_ELEMENT * max(cost.element_size, 4) + 2 * wire_size) / memory_bps
+        compute_s = elements * _BYTES_PER_ELEMENT * max(cost.element_size, 4) / 4 / memory_bps
         return Prediction(sent, seconds + compute_s, compute_s)
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
