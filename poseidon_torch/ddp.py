@@ -239,6 +239,9 @@ class PoseidonDDP(nn.Module, Joinable):
             ``poseidon_torch.DILOCO_OUTER`` (Nesterov SGD, lr 0.7, momentum 0.9), or a
             ``functools.partial`` of a class; it steps the round's start parameters with the averaged
             pseudo-gradient (start minus end). None (default): local SGD, the parameters averaged.
+        fragments: with ``sync_every=H``, F (dividing H, default 1): the buckets are cut into F fragments
+            of about equal bytes, synced in turn every H / F steps, so each is synced every H steps and the
+            link carries 1/F of the model at a time (Streaming DiLoCo); ``delay`` is then at most H / F.
     """
 
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
@@ -256,7 +259,7 @@ class PoseidonDDP(nn.Module, Joinable):
                  trace_dir: str | None = None, trace_skip: int | None = None, trace_iters: int | None = None,
                  engine: str | None = None, delay: int = 0,
                  compression: str | Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None = None,
-                 sync_every: int | None = None, outer: Any = None) -> None:
+                 sync_every: int | None = None, outer: Any = None, fragments: int = 1) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
         if not dist.is_initialized():
@@ -278,7 +281,7 @@ class PoseidonDDP(nn.Module, Joinable):
         if fusion_bytes is not None and ddp.fusion_bytes is not None:
             raise ValueError("pass either fusion_bytes or bucket_cap_mb (torch DDP's name for it), not both")
         fusion_bytes = fusion_bytes if ddp.fusion_bytes is None else ddp.fusion_bytes
-        periodic = periodic_option(sync_every, outer, ddp.buffers_follow_rank0, module.parameters(), delay)
+        periodic = periodic_option(sync_every, outer, ddp.buffers_follow_rank0, module.parameters(), delay, fragments)
         self.options = Options(
             chunk_bytes=option(chunk_bytes, "CHUNK_BYTES", int, DEFAULT_CHUNK_BYTES),
             fusion_bytes=option(fusion_bytes, "FUSION_BYTES", int, DEFAULT_FUSION_BYTES),

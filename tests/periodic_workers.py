@@ -228,6 +228,11 @@ def refusals(rank: int, world_size: int) -> dict:
         "outer bad lr": lambda: wrap(sync_every=2, outer=(torch.optim.SGD, {"lr": -1.0})),
         "outer bad argument": lambda: wrap(sync_every=2, outer=functools.partial(torch.optim.SGD, lr=0.7, nesterov=True)),
         "delay above H": lambda: wrap(sync_every=2, delay=3),
+        "fragments not dividing H": lambda: wrap(sync_every=4, fragments=3),
+        "delay above H / fragments": lambda: wrap(sync_every=4, fragments=2, delay=3),
+        "fragments without sync_every": lambda: wrap(fragments=2),
+        "more fragments than buckets": lambda: wrap(sync_every=4, fragments=4)(batch(SPEC, 0, 3, world_size)[0]),
+        # (SPEC has 3 layers: 3 buckets at most, whatever the cap)
         "delay not an int": lambda: wrap(sync_every=2, delay=1.0),
         "SFB override": lambda: wrap(sync_every=2, fusion_bytes=0, overrides={"head": "SFB"}),
         "with compression": lambda: wrap(sync_every=2, compression="powersgd"),

@@ -88,6 +88,67 @@ def test_a_delayed_sync_matches_the_simulation(cluster, mode, delay):
     assert torch.equal(landed["read"][0][3]["head.weight"], landed["read"][1][3]["head.weight"])
 
 
+@pytest.mark.parametrize("delay", [0, 1, 2])
+@pytest.mark.parametrize("mode", ["local-sgd", "diloco"])
+def test_fragments_sync_in_turn_and_match_the_simulation(cluster, mode, delay):
+    """H = 4 in 2 fragments (every layer its own bucket: fusion_bytes=0), 10 steps: fragment 0 syncs after
+    steps 2, 6, 10 and fragment 1 after 4, 8, each landing d steps later; every rank equals its replica of
+    the simulation with the same fragments after every step, and each sync sends only its fragment."""
+    h, steps, spec = 4, 10, ModelSpec(widths=(8, 5))
+    run = periodic_run(h, OUTERS[mode], "adamw", options={"delay": delay, "fragments": 2, "fusion_bytes": 0})
+    results = cluster.run(training.train, spec, run, steps, 3)
+    fragments = results[0]["fragments"]
+    assert len(fragments) == 2 and all(fragments) and not fragments[0] & fragments[1]
+    assert all(result["fragments"] == fragments for result in results)
+    reference = training.periodic(spec, h, OUTERS[mode], steps, 3, cluster.world_size, "adamw", delay=delay,
+                                  fragments=fragments)
+    for rank, result in enumerate(results):
+        for step in range(steps):
+            for name, value in reference["read"][rank][step].items():
+                torch.testing.assert_close(result["read"][step][name], value, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{mode} delay={delay}: rank {rank} {name} step {step}: {m}")
+        sent = [0] + result["total_sent"]
+        per_sync = [sent[t + 1] - sent[t] for t in range(steps) if sent[t + 1] > sent[t]]
+        landed = [t + delay for t in (1, 3, 5, 7, 9) if t + delay < steps]
+        assert [t for t in range(steps) if sent[t + 1] > sent[t]] == landed, (rank, sent)
+        assert max(per_sync) < sum(per_sync[:2]), per_sync  # one fragment at a time, not the model
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 100), min_size=1, max_size=12), fragments=st.integers(1, 6))
+def test_fragments_are_runs_of_consecutive_buckets_of_about_equal_bytes(sizes, fragments):
+    """Every fragment gets a run of consecutive buckets, none empty, each within one bucket's bytes of an
+    equal share; fewer buckets than fragments is refused, saying what to change."""
+    from types import SimpleNamespace
+
+    from poseidon_torch.modes.periodic import LocalSGD, PeriodicOptions
+    mode = LocalSGD(PeriodicOptions(fragments * 2, fragments=fragments))
+    buckets = [SimpleNamespace(nbytes=size) for size in sizes]
+    if len(sizes) < fragments:
+        with pytest.raises(ValueError, match="give fewer fragments"):
+            mode.buckets_changed(buckets)
+        return
+    mode.buckets_changed(buckets)
+    assigned = [mode._fragment_of[id(b)] for b in buckets]
+    assert assigned == sorted(assigned) and set(assigned) == set(range(fragments)), assigned
+    share = sum(sizes) / fragments
+    for f in range(fragments):
+        held = sum(size for size, g in zip(sizes, assigned) if g == f)
+        assert abs(held - share) <= max(sizes) + 1e-9 or held == max(sizes), (sizes, assigned)
+
+
+def test_fragments_resume_bit_for_bit_with_a_sync_in_flight(cluster):
+    """DiLoCo, H = 4 in 2 fragments, delay 1: a checkpoint after step 5 (fragment 0's second sync, sent
+    after step 6, not yet; fragment 1's first, sent after 4, landed) and after step 6 (in flight)."""
+    for stop in (5, 6):
+        options = {"sync_every": 4, "fragments": 2, "delay": 1, "fusion_bytes": 0, "outer": NESTEROV}
+        for rank, result in enumerate(cluster.run(pw.checkpoint_resume, options, "adamw", stop, 9)):
+            for name, value in result["straight"].items():
+                assert torch.equal(result["resumed"][name], value), f"stop {stop}: rank {rank}: {name} differs"
+            assert ("in_flight" in result["saved"]["periodic"]) == (stop == 6)
+            assert result["saved"]["periodic"]["fragments"] == 2
+
+
 @pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=model_specs(), h=st.integers(1, 3), mode=st.sampled_from(sorted(OUTERS)),
@@ -213,7 +274,7 @@ def test_wrong_consistency_states_are_refused_and_change_nothing(cluster):
 
 def test_wrong_in_flight_states_are_refused_and_change_nothing(cluster):
     expected = {"saved without a delay": "saved with delay=0", "no sync in flight": "it was missing",
-                "in flight when none flies": "it was there", "sent of one parameter": "every synced parameter",
+                "in flight when none flies": "it was there", "sent of one parameter": "every parameter of the fragment",
                 "average of a bad shape": "'head.bias'", "an unknown key": "with 'sent' and 'averages'"}
     for result in cluster.run(pw.bad_flight_states):
         for case, text in expected.items():
@@ -245,6 +306,10 @@ def test_bad_options_and_combinations_are_refused_by_name(cluster):
         "outer bad lr": ("ValueError", "option outer: SGD refused its arguments"),
         "outer bad argument": ("ValueError", "Nesterov"),
         "delay above H": ("ValueError", "must be at most 2"),
+        "fragments not dividing H": ("ValueError", "that divides sync_every=4"),
+        "delay above H / fragments": ("ValueError", "must be at most 2"),
+        "fragments without sync_every": ("ValueError", "fragments (periodic averaging) needs sync_every=H"),
+        "more fragments than buckets": ("ValueError", "fragments, and it has 3 (buckets of whole layers"),
         "delay not an int": ("TypeError", "delay must be an int"),
         "SFB override": ("ValueError", "from their factors"),
         "with compression": ("ValueError", "compression= with sync_every=2 is not supported"),

@@ -192,6 +192,9 @@ def train(rank: int, world_size: int, spec: ModelSpec, run: Run, steps: int, siz
             out["norms"].append(opt.last_grad_norm)
     if poseidon:
         out["in_flight"] = wrapped.consistency_state_dict()
+        if wrapped.options.periodic is not None:
+            names = {id(p): name for name, p in model.named_parameters()}
+            out["fragments"] = [set(f) for f in wrapped.engine.mode.fragment_params(names)]
     if run.wrapper == "server":
         out["state_bytes"] = opt.local_state_bytes()
         opt.consolidate_state_dict(to=0)
@@ -302,7 +305,8 @@ def server_pipe_sgd(spec: ModelSpec, delay: int, steps: int, size: int, world_si
 
 
 def periodic(spec: ModelSpec, sync_every: int, outer: tuple | None, steps: int, size: int, world_size: int,
-             optimizer: str = "sgd", skip: int | None = None, average_buffers: bool = True, delay: int = 0) -> dict:
+             optimizer: str = "sgd", skip: int | None = None, average_buffers: bool = True, delay: int = 0,
+             fragments: list[set[str]] | None = None) -> dict:
     """Local SGD (``outer`` None) or DiLoCo (``outer``: the outer optimizer's class and arguments) in one
     process: one replica per rank, each stepping its own inner optimizer on its shard of every batch. After
     every ``sync_every``-th step taken (a ``skip``ped step is none), local SGD averages the parameters
@@ -310,15 +314,20 @@ def periodic(spec: ModelSpec, sync_every: int, outer: tuple | None, steps: int, 
     optimizer on the average of (start - end). Floating-point buffers are averaged too when
     ``average_buffers``. With ``delay`` d the round's result lands after d more steps taken, each replica
     keeping those steps on top of it: parameter = result + (parameter - its value at the round's end), and
-    DiLoCo's next round starts from the result. Per replica: its final ``params`` and ``state``, and the
-    parameters every step's forward ``read``."""
+    DiLoCo's next round starts from the result. With ``fragments`` (F sets of parameter names) fragment f
+    syncs alone after steps kS with (k - 1) mod F = f, S = ``sync_every`` / F (DiLoCo's outer optimizer
+    then steps only its parameters). Per replica: its final ``params`` and ``state``, and the parameters
+    every step's forward ``read``."""
     replicas = [build(spec, seed=spec.seed) for _ in range(world_size)]
     cls, kwargs = OPTIMIZERS[optimizer]
     inner = [cls(_trainable(m), **kwargs) for m in replicas]
     start = build(spec, seed=spec.seed)  # the round's start parameters, which the outer optimizer steps
     outer_opt = outer[0](_trainable(start), **outer[1]) if outer is not None else None
     read: list[list[dict]] = [[] for _ in replicas]
-    taken, landing = 0, None  # landing: (the step taken after which it lands, the result, what was sent)
+    names = [n for n, p in replicas[0].named_parameters() if p.requires_grad]
+    fragments = fragments or [set(names)]
+    spacing = sync_every // len(fragments)
+    taken, landing = 0, None  # landing: (the step taken after which it lands, its mask, result, what was sent)
     for step in range(steps):
         x, y = batch(spec, step, size, world_size)
         for rank, (model, opt) in enumerate(zip(replicas, inner)):
@@ -335,9 +344,10 @@ def periodic(spec: ModelSpec, sync_every: int, outer: tuple | None, steps: int, 
         if landing is not None and landing[0] == taken:
             _land(replicas, *landing[1:], average_buffers)
             landing = None
-        if taken % sync_every == 0:
+        if taken % spacing == 0:
+            mask = [n in fragments[(taken // spacing - 1) % len(fragments)] for n in names]
             sent = [[p.detach().clone() for p in _trainable(m)] for m in replicas]
-            landing = (taken + delay, _round_result(replicas, start, outer_opt), sent)
+            landing = (taken + delay, mask, _round_result(replicas, start, outer_opt, mask), sent)
             if not delay:
                 _land(replicas, *landing[1:], average_buffers)
                 landing = None
@@ -357,27 +367,29 @@ def _mean(values: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _round_result(replicas: list[nn.Module], start: nn.Module, outer: torch.optim.Optimizer | None
-                  ) -> list[torch.Tensor]:
-    """The sync of :func:`periodic`: the parameters every replica takes (local SGD: the average; DiLoCo:
-    the outer step of ``start``, which it updates)."""
+def _round_result(replicas: list[nn.Module], start: nn.Module, outer: torch.optim.Optimizer | None,
+                  mask: list[bool]) -> list[torch.Tensor | None]:
+    """The sync of :func:`periodic` of the parameters ``mask`` picks: the values every replica takes
+    (local SGD: the average; DiLoCo: the outer step of ``start``, which it updates), None elsewhere."""
     columns = list(zip(*(_trainable(m) for m in replicas)))
     if outer is None:
-        return [_mean(list(column)) for column in columns]
-    for p, column in zip(_trainable(start), columns):
-        p.grad = _mean([p - q for q in column])
+        return [_mean(list(column)) if chosen else None for column, chosen in zip(columns, mask)]
+    for p, column, chosen in zip(_trainable(start), columns, mask):
+        p.grad = _mean([p - q for q in column]) if chosen else None
     outer.step()
-    return [p.detach().clone() for p in _trainable(start)]
+    return [p.detach().clone() if chosen else None for p, chosen in zip(_trainable(start), mask)]
 
 
 @torch.no_grad()
-def _land(replicas: list[nn.Module], result: list[torch.Tensor], sent: list[list[torch.Tensor]], buffers: bool
-          ) -> None:
-    """The round's ``result`` into every replica, the steps each took since it ``sent`` kept on top."""
+def _land(replicas: list[nn.Module], mask: list[bool], result: list[torch.Tensor | None],
+          sent: list[list[torch.Tensor]], buffers: bool) -> None:
+    """The round's ``result`` into every replica's parameters ``mask`` picks, the steps each took since it
+    ``sent`` kept on top."""
     for model, mine in zip(replicas, sent):
-        for p, value, was in zip(_trainable(model), result, mine):
-            drift = p - was
-            p.copy_(value).add_(drift)
+        for p, chosen, value, was in zip(_trainable(model), mask, result, mine):
+            if chosen:
+                drift = p - was
+                p.copy_(value).add_(drift)
     if buffers:
         for column in zip(*(list(m.buffers()) for m in replicas)):
             if column[0].is_floating_point():

@@ -89,20 +89,26 @@ class PeriodicOptions:
     outer_kwargs: tuple[tuple[str, Any], ...] = ()
     average_buffers: bool = True
     delay: int = 0
+    fragments: int = 1
+
+    @property
+    def spacing(self) -> int:
+        """Inner steps between two syncs (of consecutive fragments)."""
+        return self.sync_every // self.fragments
 
     def build_outer(self, params: Sequence[nn.Parameter]) -> Optimizer:
         return self.outer_class(params, **dict(self.outer_kwargs))
 
 
 def periodic_option(sync_every: object, outer: object, average_buffers: bool, params: Iterable[nn.Parameter],
-                    delay: object = 0) -> PeriodicOptions | None:
+                    delay: object = 0, fragments: object = 1) -> PeriodicOptions | None:
     """The options checked (None: not periodic; ``delay`` is then Pipe-SGD's, checked elsewhere). The outer
     optimizer is built once over ``params``, so arguments it refuses are refused here, on every rank, before
     any collective."""
     if sync_every is None:
-        if outer is not None:
-            raise ValueError("PoseidonDDP option outer (DiLoCo's outer optimizer) needs sync_every=H, the inner steps "
-                             "between two outer steps")
+        if outer is not None or fragments != 1:
+            raise ValueError(f"PoseidonDDP option {'outer' if outer is not None else 'fragments'} (periodic averaging) "
+                             "needs sync_every=H, the inner steps between two syncs of a parameter")
         return None
     if not isinstance(sync_every, int) or isinstance(sync_every, bool):
         raise TypeError(f"PoseidonDDP option sync_every must be an int (inner optimizer steps between two syncs), "
@@ -110,12 +116,16 @@ def periodic_option(sync_every: object, outer: object, average_buffers: bool, pa
     if sync_every < 1:
         raise ValueError(f"PoseidonDDP option sync_every must be >= 1 (inner optimizer steps between two syncs), got "
                          f"{sync_every}; leave it out for BSP")
-    if delay_option(delay) > sync_every:
-        raise ValueError(f"PoseidonDDP option delay={delay} with sync_every={sync_every}: a sync must land before the "
-                         f"next one is sent, so delay (the inner steps it stays in flight) must be at most "
-                         f"{sync_every}")
+    if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1 or sync_every % fragments:
+        raise ValueError(f"PoseidonDDP option fragments must be an int >= 1 that divides sync_every={sync_every} (one "
+                         f"fragment syncs every sync_every / fragments steps), got {fragments!r}")
+    spacing = sync_every // fragments
+    if delay_option(delay) > spacing:
+        raise ValueError(f"PoseidonDDP option delay={delay} with sync_every={sync_every}, fragments={fragments}: a sync "
+                         f"must land before the next one is sent, {spacing} step(s) later, so delay (the inner steps it "
+                         f"stays in flight) must be at most {spacing}")
     cls, kwargs = _outer_parts(outer)
-    options = PeriodicOptions(sync_every, cls, tuple(sorted(kwargs.items())), average_buffers, delay)
+    options = PeriodicOptions(sync_every, cls, tuple(sorted(kwargs.items())), average_buffers, delay, fragments)
     if cls is not None:
         try:
             options.build_outer([p for p in params if p.requires_grad])
@@ -187,28 +197,36 @@ def outermost_step(optimizer: Optimizer) -> bool:
 
 class RoundJob:
     """A bucket's job in an outer sync (a :class:`~poseidon_torch.paths.Job`): ``payload(p)`` of every
-    parameter staged instead of its gradient, averaged by ``path``."""
+    parameter staged instead of its gradient, averaged by ``path``; a bucket outside the fragment being
+    synced (``member``) stages and sends nothing."""
 
     native = False
 
-    def __init__(self, path: Path, payload: Callable[[nn.Parameter], Tensor]) -> None:
-        self.path, self.payload, self.name = path, payload, path.name
+    def __init__(self, path: Path, payload: Callable[[nn.Parameter], Tensor], member: Callable[[Bucket], bool]
+                 ) -> None:
+        self.path, self.payload, self.member, self.name = path, payload, member, path.name
 
     def stage(self, bucket: Bucket, ctx: SyncContext) -> None:
-        bucket.stage_values([self.payload(p) for p in bucket.params])
+        if self.member(bucket):
+            bucket.stage_values([self.payload(p) for p in bucket.params])
 
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, bool]:
-        return (yield from self.path.sync(bucket, groups, ctx))
+        if self.member(bucket):
+            return (yield from self.path.sync(bucket, groups, ctx))
+        bucket.bytes_sent, bucket.outcome = 0, "-"
+        return False
 
 
 class Landing:
     """Where an outer sync's averages go when its pass closes (a :class:`~poseidon_torch.paths.GradWriter`):
-    ``take(p, average)`` for every parameter, on the training thread."""
+    ``take(p, average)`` for every parameter of the fragment synced (``member``), on the training thread."""
 
-    def __init__(self, take: Callable[[nn.Parameter, Tensor], None]) -> None:
-        self.take = take
+    def __init__(self, take: Callable[[nn.Parameter, Tensor], None], member: Callable[[Bucket], bool]) -> None:
+        self.take, self.member = take, member
 
     def scatter(self, bucket: Bucket) -> None:
+        if not self.member(bucket):
+            return
         with torch.no_grad(), bucket.averages() as averages:
             for p, average in averages:
                 self.take(p, average)
@@ -220,7 +238,8 @@ class Landing:
 @dataclass
 class Flight:
     """An outer sync in flight (``delay`` >= 1): the inner step after which it lands, and what each
-    parameter sent, kept as it was (``id(param)`` -> its value after the round's last step)."""
+    parameter of its fragment sent, kept as it was (``id(param)`` -> its value after the round's last
+    step)."""
 
     lands_after: int
     sent: dict[int, Tensor]
@@ -238,8 +257,10 @@ class Periodic(Mode):
     def __init__(self, options: PeriodicOptions) -> None:
         self.options = options
         self.sync_every = options.sync_every
-        self.delay = options.delay
+        self.delay, self.fragments, self.spacing = options.delay, options.fragments, options.spacing
         self.sync_nice = PipeSGD.sync_nice if self.delay else 0  # the training thread first while a sync flies
+        self._fragment_of: dict[int, int] = {}  #: id(bucket) -> its fragment
+        self._syncing = 0  #: the fragment of the sync sent last (in flight until it lands)
         self.steps = 0  #: inner steps taken (the last sync was after step steps - steps % sync_every)
         self.averages: dict[int, Tensor] = {}  #: id(param) -> the average of what it sent, until it lands
         self._flight: Flight | None = None
@@ -249,7 +270,7 @@ class Periodic(Mode):
         self._steps_model: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
         self._inner: weakref.ref | None = None
         self._jobs: dict[Path, RoundJob] = {}
-        self._landing = Landing(self.take)
+        self._landing = Landing(self.take, self._member)
         self._hooks: list = []
 
     # ---- what a round sends and keeps (the subclasses) ---------------------------------------------
@@ -286,6 +307,9 @@ class Periodic(Mode):
     def attach(self, engine: Engine) -> None:
         self.engine = engine
         self._synced = {id(p) for p in engine.params}
+        if self.fragments > 1:  # buckets of 1/(2F) of the model besides their largest layer: F fragments can be cut
+            model_bytes = sum(p.numel() * p.element_size() for p in engine.params)
+            self.first_fusion_bytes = max(1, model_bytes // (2 * self.fragments))
         self._hooks = [register_optimizer_step_pre_hook(self._before_step),
                        register_optimizer_step_post_hook(self._after_step)]
         self._join_a_running_step()
@@ -298,10 +322,39 @@ class Periodic(Mode):
         if outermost is not None:
             self._before_step(outermost, (), {})
 
+    def buckets_changed(self, buckets: Sequence[Bucket]) -> None:
+        """Cut the buckets (fused once) into ``fragments`` runs of consecutive buckets of about equal bytes,
+        none empty."""
+        count, fragments = len(buckets), self.fragments
+        if count < fragments:
+            self.close()  # the engine does not start: its step hooks must not outlive it
+            raise ValueError(f"PoseidonDDP(fragments={fragments}) cuts the model's buckets into {fragments} fragments, "
+                             f"and it has {count} (buckets of whole layers, each at most 1/{2 * fragments} of the model "
+                             "and fusion_bytes besides its largest layer): give fewer fragments, or a smaller "
+                             "fusion_bytes (bucket_cap_mb) if it is what binds")
+        total, before, previous = sum(b.nbytes for b in buckets), 0, -1
+        self._fragment_of = {}
+        for i, bucket in enumerate(buckets):
+            ideal = int(fragments * (before + bucket.nbytes / 2) / total)  # where its middle byte falls
+            lowest = max(previous, fragments - (count - i))  # the buckets left must cover the fragments left
+            previous = min(max(ideal, lowest), previous + 1, fragments - 1)
+            self._fragment_of[id(bucket)] = previous
+            before += bucket.nbytes
+
+    def fragment_params(self, names: dict[int, str]) -> list[list[str]]:
+        """Each fragment's parameters by name (``names``: ``id(parameter)`` -> name), in sync order."""
+        fragments: list[list[str]] = [[] for _ in range(self.fragments)]
+        for bucket in self.engine.buckets:
+            fragments[self._fragment_of[id(bucket)]] += [names[id(p)] for p in bucket.params]
+        return fragments
+
+    def _member(self, bucket: Bucket) -> bool:
+        return self._fragment_of.get(id(bucket), 0) == self._syncing
+
     def job(self, path: Path) -> RoundJob:
         job = self._jobs.get(path)
         if job is None:
-            job = self._jobs[path] = RoundJob(path, self.payload)
+            job = self._jobs[path] = RoundJob(path, self.payload, self._member)
         return job
 
     def writer(self, live: GradWriter, settling: bool) -> Landing:
@@ -342,18 +395,19 @@ class Periodic(Mode):
         self.steps += 1
         if self._flight is not None and self.steps == self._flight.lands_after:
             self._land()
-        if self.steps % self.sync_every == 0:
-            self._send()
+        if self.steps % self.spacing == 0:
+            self._send((self.steps // self.spacing - 1) % self.fragments)
 
     def defers(self, learned: bool) -> bool:
         return self.delay > 0
 
-    def _send(self) -> None:
-        """The outer sync (collective: every rank after its H-th inner step of the round); without a delay
-        it lands at once."""
+    def _send(self, fragment: int) -> None:
+        """The outer sync of ``fragment`` (collective: every rank after the H-th inner step of its round);
+        without a delay it lands at once."""
+        self._syncing = fragment
         if self.delay:
-            params = self.engine.params
-            self._flight = Flight(self.steps + self.delay, {id(p): p.detach().clone() for p in params})
+            sent = {id(p): p.detach().clone() for b in self.engine.buckets if self._member(b) for p in b.params}
+            self._flight = Flight(self.steps + self.delay, sent)
         self.engine.sync_now()  # with a delay the pass is deferred: its jobs run on while the next steps compute
         if not self.delay:
             self._land()
@@ -391,7 +445,8 @@ class Periodic(Mode):
         """The steps taken, what the round keeps, and a sync in flight (the caller settled it: its averages
         are in): what was sent and its averages, by parameter name."""
         flight = self._flight
-        entry = {"mode": self.name, "sync_every": self.sync_every, "steps": self.steps, **self.round_state(names)}
+        entry = {"mode": self.name, "sync_every": self.sync_every, "fragments": self.fragments, "steps": self.steps,
+                 **self.round_state(names)}
         if flight is not None:
             entry["in_flight"] = {"sent": {names[key]: t.clone() for key, t in flight.sent.items()},
                                   "averages": {names[key]: t.clone() for key, t in self.averages.items()}}
@@ -404,40 +459,46 @@ class Periodic(Mode):
             raise ValueError(f"the consistency state was saved without sync_every (keys {sorted(state)}); this model "
                              f"runs {self.name} with sync_every={self.sync_every}: resume with the options it was saved "
                              "with")
-        saved = (entry.get("mode"), entry.get("sync_every"))
-        if saved != (self.name, self.sync_every):
-            raise ValueError(f"the consistency state was saved by {saved[0]} with sync_every={saved[1]}; this model runs "
-                             f"{self.name} with sync_every={self.sync_every}: resume with the options it was saved with")
+        saved = (entry.get("mode"), entry.get("sync_every"), entry.get("fragments", 1))
+        if saved != (self.name, self.sync_every, self.fragments):
+            raise ValueError(f"the consistency state was saved by {saved[0]} with sync_every={saved[1]}, fragments="
+                             f"{saved[2]}; this model runs {self.name} with sync_every={self.sync_every}, fragments="
+                             f"{self.fragments}: resume with the options it was saved with")
         steps = entry.get("steps")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             raise ValueError(f"consistency state 'steps' must be an int >= 0, got {steps!r}")
         flight = self._checked_flight(entry.get("in_flight"), params, steps)
         self.load_round(entry, params, steps)
         self.steps = steps
-        self._flight, self.averages = flight if flight is not None else (None, {})
+        if flight is not None:
+            self._syncing, self._flight, self.averages = flight
+        else:
+            self._flight, self.averages = None, {}
 
     def _flying_after(self, steps: int) -> bool:
-        """Whether a sync is in flight after ``steps`` inner steps: sent after step kH (k >= 1), it lands
-        after step kH + delay."""
-        return steps >= self.sync_every and steps % self.sync_every < self.delay
+        """Whether a sync is in flight after ``steps`` inner steps: sent after step kS (k >= 1, S = H /
+        fragments), it lands after step kS + delay."""
+        return steps >= self.spacing and steps % self.spacing < self.delay
 
     def _checked_flight(self, saved: object, params: dict[str, nn.Parameter], steps: int
-                        ) -> tuple[Flight, dict[int, Tensor]] | None:
+                        ) -> tuple[int, Flight, dict[int, Tensor]] | None:
         """The saved sync in flight, checked against the step count and the parameters (nothing changes
-        when a check fails), as a :class:`Flight` and its averages."""
+        when a check fails), as its fragment, a :class:`Flight` and its averages."""
         if self._flying_after(steps) != (saved is not None):
             raise ValueError(f"consistency state 'in_flight' (a sync sent, not landed yet) must be there exactly when "
                              f"one flies after steps={steps} with sync_every={self.sync_every}, delay={self.delay}: it "
                              f"was {'there' if saved is not None else 'missing'}")
         if saved is None:
             return None
-        synced = {n for n, p in params.items() if id(p) in self._synced}
+        fragment = (steps // self.spacing - 1) % self.fragments
+        members = {id(p) for b in self.engine.buckets if self._fragment_of.get(id(b), 0) == fragment for p in b.params}
+        synced = {n for n, p in params.items() if id(p) in members}
         if not isinstance(saved, dict) or set(saved) != {"sent", "averages"}:
             raise ValueError("consistency state 'in_flight' must be a dict with 'sent' and 'averages'")
         sent, averages = saved["sent"], saved["averages"]
         if not isinstance(sent, dict) or set(sent) != synced or not isinstance(averages, dict) or set(averages) - synced:
-            raise ValueError(f"consistency state 'in_flight' must hold what every synced parameter sent, and averages "
-                             f"of synced parameters only ({sorted(synced)})")
+            raise ValueError(f"consistency state 'in_flight' must hold what every parameter of the fragment in flight "
+                             f"sent, and averages of those only ({sorted(synced)})")
         for what, entries in (("sent", sent), ("averages", averages)):
             for name, value in entries.items():
                 if not isinstance(value, Tensor) or value.shape != params[name].shape:
@@ -448,8 +509,8 @@ class Periodic(Mode):
             return {id(params[name]): value.detach().to(params[name].device, params[name].dtype).clone()
                     for name, value in entries.items()}
 
-        lands_after = steps - steps % self.sync_every + self.delay
-        return Flight(lands_after, restored(sent)), restored(averages)
+        lands_after = steps - steps % self.spacing + self.delay
+        return fragment, Flight(lands_after, restored(sent)), restored(averages)
 
     def trace_args(self) -> dict:
         return {"inner_steps": self.steps}
@@ -482,8 +543,10 @@ class DiLoCo(Periodic):
 
     def __init__(self, options: PeriodicOptions) -> None:
         super().__init__(options)
-        #: id(param) -> its value when the round began (with a delay: the last outer step's result)
+        #: id(param) -> its value when the round began (with a delay or fragments: its last outer step's
+        #: result, kept from the first step on; else taken when a round's first step begins)
         self._start: dict[int, Tensor] | None = None
+        self._keeps_start = options.delay > 0 or options.fragments > 1
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
@@ -511,7 +574,10 @@ class DiLoCo(Periodic):
         finally:
             for p, grad in zip(params, kept):
                 p.grad = grad
-            self._start = {id(p): p.detach().clone() for p in params} if self.delay else None
+            if self._keeps_start:
+                self._start.update({id(p): p.detach().clone() for p in params if id(p) in self.averages})
+            else:
+                self._start = None
 
     def round_state(self, names: dict[int, str]) -> dict:
         start = None if self._start is None else {names[key]: value.clone() for key, value in self._start.items()}
@@ -525,9 +591,9 @@ class DiLoCo(Periodic):
 
     def load_round(self, entry: dict, params: dict[str, nn.Parameter], steps: int) -> None:
         start = entry.get("start")
-        expected = steps > 0 if self.delay else steps % self.sync_every != 0
+        expected = steps > 0 if self._keeps_start else steps % self.sync_every != 0
         if expected != (start is not None):
-            when = "after the first step (with a delay)" if self.delay else \
+            when = "after the first step (with a delay or fragments)" if self._keeps_start else \
                 f"'steps' is not a multiple of sync_every={self.sync_every}"
             raise ValueError(f"consistency state 'start' (the round's start parameters) must be there exactly when "
                              f"{when}: it was {'missing' if expected else 'there'} at steps={steps}")

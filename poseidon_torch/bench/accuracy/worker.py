@@ -70,7 +70,7 @@ from poseidon_torch.bench.baselines import LOCALSGD, ONE_HOST, Baselines, LocalS
     add_baseline_arguments, baselines_from
 from poseidon_torch.bench.launch import exit_worker, worker_main
 from poseidon_torch.bench.worker import DELAY_MODES, MODES, PERIODIC_MODES, POSEIDON_MODES, STALE_MODES, \
-    make_optimizer, read_tx_bytes, wrapper_for, written_bytes
+    STREAMING_MODES, make_optimizer, read_tx_bytes, wrapper_for, written_bytes
 
 DATA_SEED = 97
 CALIBRATION_STEPS = 5
@@ -207,13 +207,14 @@ class StopRule:
 class PeriodicConsensus(LocalSGDConsensus):
     """:class:`LocalSGDConsensus` for PoseidonDDP(sync_every=H) with H the local SGD period: the ranks agree
     at the start and after every H-th step (the sync runs inside that step). With ``delay`` d they agree
-    only at the start (each keeps its d steps on top of what lands), and a rank finishes step kH + d only
-    once every rank finished step kH (the sync it lands was sent by all): once rank 0 has done n steps, no
-    rank is past step kH + d - 1 for the first kH > n."""
+    only at the start (each keeps its d steps on top of what lands), and a rank finishes step kS + d only
+    once every rank finished step kS (the sync it lands was sent by all; S = H / fragments, the steps
+    between two syncs): once rank 0 has done n steps, no rank is past step kS + d - 1 for the first
+    kS > n."""
 
-    def __init__(self, baselines: Baselines, delay: int = 0) -> None:
+    def __init__(self, baselines: Baselines, delay: int = 0, fragments: int = 1) -> None:
         super().__init__(baselines)
-        self.delay = delay
+        self.delay, self.spacing = delay, self.period // fragments
 
     def _syncs(self, step: int) -> bool:
         return step == 0 if self.delay else step % self.period == 0
@@ -221,14 +222,16 @@ class PeriodicConsensus(LocalSGDConsensus):
     def next_meeting(self, steps_done: int) -> int:
         if not self.delay:
             return super().next_meeting(steps_done)
-        return (steps_done // self.period + 1) * self.period + self.delay - 1
+        return (steps_done // self.spacing + 1) * self.spacing + self.delay - 1
 
 
 def consensus_for(mode: str, baselines: Baselines) -> LocalSGDConsensus | None:
     """When the ranks of ``mode`` agree, for the modes whose ranks meet only every few steps."""
     if mode == LOCALSGD:
         return LocalSGDConsensus(baselines)
-    return PeriodicConsensus(baselines, DELAY_MODES.get(mode, 0)) if mode in PERIODIC_MODES else None
+    if mode not in PERIODIC_MODES:
+        return None
+    return PeriodicConsensus(baselines, DELAY_MODES.get(mode, 0), baselines.localsgd_period if mode in STREAMING_MODES else 1)
 
 
 def meeting_rule(mode: str, consensus: LocalSGDConsensus | None) -> Callable[[int], int]:
