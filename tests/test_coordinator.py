@@ -170,6 +170,15 @@ def test_fit_recovers_the_ring_model():
     assert fit.model.beta_s_per_byte == pytest.approx(beta, rel=1e-6)
 
 
+@pytest.mark.parametrize("gbps", [0.00925, 0.0925])
+def test_a_slow_link_is_believed(gbps):
+    """10 and 100 Mbit/s links as tc shapes them (9.25 and 92.5 Mbit/s of payload): the fit is usable, so
+    the cost model sees them (a floor of 10 Mbit/s refused the first: compression= then assumed 10 Gbit/s
+    and never compressed over 10 Mbit/s)."""
+    fit = fit_link(SIZES, [[t] * 3 for t in ring_times(300e-6, 8 / (gbps * 1e9), 2)], 2)
+    assert fit.usable and fit.model.bandwidth_gbps == pytest.approx(gbps, rel=1e-6), fit.reason
+
+
 def test_fit_ignores_slow_repeats_and_a_wild_size():
     """A loaded machine: every size has a repeat 20x too slow, and one size is off entirely."""
     alpha, beta, p = 50e-6, 8 / 5e9, 2
