@@ -18,7 +18,7 @@ backwards, ``no_sync()`` and micro-batches do not count, a step that GradScaler 
 subclass whose ``step()`` calls ``super().step()`` counts once. One optimizer: a second one stepping these
 parameters is refused (use param groups).
 
-Invariants:
+Invariants (without ``delay`` and ``fragments``, which change the first, third and fourth as below):
 - after every sync all ranks hold bit-identical parameters (each average is computed once and sent to
   every rank; the outer optimizer steps the same values on every rank), and the outer optimizer's state is
   the same on every rank; the inner optimizers' states stay each rank's own, as in DiLoCo and torch;
@@ -31,11 +31,17 @@ Invariants:
   user loads between rounds are the next round's start.
 Uneven inputs (``join()``) are refused: every rank must reach every sync.
 
-With ``delay=d`` (1 <= d <= H; overlapping local SGD, Wang et al. 2020; the eager outer step of Streaming
-DiLoCo, Douillard et al. 2025) the sync is sent after the H-th step as above, but ``step()`` returns at
+With ``fragments=F`` (Streaming DiLoCo's schedule) the buckets, fused once, are cut into F runs of about
+equal bytes; fragment f syncs alone after steps kS with (k - 1) mod F = f, S = H / F, so each parameter
+syncs every H steps and only its fragment's bytes travel at a time (the other buckets' jobs send
+nothing); DiLoCo's outer optimizer then steps only that fragment, whose next round starts from the
+result. Only that fragment's parameters are the same on every rank right after its sync.
+
+With ``delay=d`` (1 <= d <= S; overlapping local SGD, Wang et al. 2020; the eager outer step of Streaming
+DiLoCo, Douillard et al. 2025) the sync is sent after the kS-th step as above, but ``step()`` returns at
 once: the sync runs on the sync threads while the next d inner steps compute, and *lands* right after the
-d-th of them (inside that ``step()``). What was sent is the parameters as they were after the H-th step
-(a copy, so the inner steps may change them meanwhile); the d steps taken while it was in flight are kept
+d-th of them (inside that ``step()``). What was sent is the parameters as they were after that step (a
+copy, so the inner steps may change them meanwhile); the d steps taken while it was in flight are kept
 on top of what lands:
 
     parameter = (local SGD: the average; DiLoCo: the outer step's result) + (parameter - what was sent)
