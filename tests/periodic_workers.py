@@ -324,3 +324,26 @@ def closure_optimizer(rank: int, world_size: int) -> dict:
         wrapped.close()
         results[name] = {"syncs": syncs, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
     return results
+
+
+def synchronize_mid_round(rank: int, world_size: int, options: dict) -> dict:
+    """5 steps of SGD (H = 4: mid-round, maybe a sync in flight), then ``synchronize()``: every rank's
+    parameters before (gathered, so the test can average them) and after; then 3 more steps and a second
+    ``synchronize()`` at a round's end: the parameters after it."""
+    import torch.distributed as dist
+
+    model = build(SPEC, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, **options)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+    _steps(SPEC, wrapped, opt, rank, world_size, 0, 5)
+    wrapped.consistency_state_dict()  # settles a sync in flight (its average is kept, not applied)
+    mine = {n: p.detach().clone() for n, p in model.named_parameters()}
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    wrapped.synchronize()
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _steps(SPEC, wrapped, opt, rank, world_size, 5, 8)
+    wrapped.synchronize()
+    later = {n: p.detach().clone() for n, p in model.named_parameters()}
+    wrapped.close()
+    return {"before": everyone, "after": after, "later": later}

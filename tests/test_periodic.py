@@ -183,6 +183,27 @@ def test_buffers_are_averaged_at_each_sync_unless_broadcast_buffers_is_off(clust
         assert all(torch.equal(r, running[0]) for r in running) == average
 
 
+@pytest.mark.parametrize("options", [{"sync_every": 4}, {"sync_every": 4, "outer": NESTEROV},
+                                     {"sync_every": 4, "delay": 1}, {"sync_every": 4, "fragments": 2, "delay": 1,
+                                                                      "fusion_bytes": 0}],
+                         ids=["local-sgd", "diloco", "delayed", "fragments"])
+def test_synchronize_ends_the_round_on_every_rank(cluster, options):
+    """``synchronize()`` after step 5 (H = 4: mid-round; with delay 1 the sync sent after step 4 landed in
+    step 5): every rank holds the same bits, for local SGD without a delay the average of the ranks'
+    parameters (rank order); training goes on, and a second one after step 8 agrees again."""
+    results = cluster.run(pw.synchronize_mid_round, options)
+    for rank, result in enumerate(results):
+        for name, value in results[0]["after"].items():
+            assert torch.equal(result["after"][name], value), (rank, name)
+            assert torch.equal(result["later"][name], results[0]["later"][name]), (rank, name)
+    if options == {"sync_every": 4}:
+        before = results[0]["before"]
+        for name, value in results[0]["after"].items():
+            expected = sum((b[name] for b in before[1:]), before[0][name].clone()) / len(before)
+            torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-7)
+    assert any(not torch.equal(results[0]["after"][n], results[0]["before"][0][n]) for n in results[0]["after"])
+
+
 def test_a_buffer_that_never_changes_keeps_its_bits(cluster):
     """Averaging x over P ranks as sum / P changes about one value in six by an ulp at P = 3; the sync must
     leave a buffer equal on every rank unchanged."""

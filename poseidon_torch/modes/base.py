@@ -197,6 +197,10 @@ class Mode:
     def after_step(self) -> None:
         """The optimizer's ``step()`` ran (a ``ServerOptimizer``'s)."""
 
+    def synchronize(self, engine: Engine) -> None:
+        """``PoseidonDDP.synchronize()``: whatever a step left in flight lands now."""
+        engine.settle()
+
     # ---- what it supports, what it keeps ----------------------------------------------------------
 
     @property

@@ -266,6 +266,9 @@ class Periodic(Mode):
         self.delay, self.fragments, self.spacing = options.delay, options.fragments, options.spacing
         self.sync_nice = PipeSGD.sync_nice if self.delay else 0  # the training thread first while a sync flies
         self._fragment_of: dict[int, int] = {}  #: id(bucket) -> its fragment
+        self._at_once = False  #: syncs land at once whatever the delay (``synchronize()``)
+        #: the fragments whose parameters are the same on every rank (landed without drift, no step since)
+        self._agreed: set[int] = set(range(options.fragments))
         self._syncing = 0  #: the fragment of the sync sent last (in flight until it lands)
         self.steps = 0  #: inner steps taken (the last sync was after step steps - steps % sync_every)
         self.averages: dict[int, Tensor] = {}  #: id(param) -> the average of what it sent, until it lands
@@ -399,24 +402,39 @@ class Periodic(Mode):
         if not (self._inner_step(optimizer) and outermost_step(optimizer)):
             return
         self.steps += 1
+        self._agreed.clear()
         if self._flight is not None and self.steps == self._flight.lands_after:
             self._land()
         if self.steps % self.spacing == 0:
             self._send((self.steps // self.spacing - 1) % self.fragments)
 
     def defers(self, learned: bool) -> bool:
-        return self.delay > 0
+        return self.delay > 0 and not self._at_once
 
     def _send(self, fragment: int) -> None:
         """The outer sync of ``fragment`` (collective: every rank after the H-th inner step of its round);
         without a delay it lands at once."""
         self._syncing = fragment
-        if self.delay:
+        deferred = self.defers(learned=True)
+        if deferred:
             sent = {id(p): p.detach().clone() for b in self.engine.buckets if self._member(b) for p in b.params}
             self._flight = Flight(self.steps + self.delay, sent)
         self.engine.sync_now()  # with a delay the pass is deferred: its jobs run on while the next steps compute
-        if not self.delay:
+        if not deferred:
             self._land()
+
+    def synchronize(self, engine: Engine) -> None:
+        """End the round now (collective): the sync in flight lands, then every fragment not already the
+        same on every rank syncs and lands at once (one that just synced is not synced again: DiLoCo's
+        outer optimizer would take an empty step); every rank then holds the same parameters."""
+        if self._flight is not None:
+            self._land()
+        self._at_once = True
+        try:
+            for fragment in sorted(set(range(self.fragments)) - self._agreed):
+                self._send(fragment)
+        finally:
+            self._at_once = False
 
     @torch.no_grad()
     def _land(self) -> None:
@@ -425,6 +443,8 @@ class Periodic(Mode):
         engine = self.engine
         engine.settle()  # a sync in flight: its averages into take() (nothing when it settled already)
         flight, self._flight = self._flight, None
+        if flight is None:
+            self._agreed.add(self._syncing)
         landed = [p for p in engine.params if id(p) in self.averages]
         drift = [] if flight is None else [p - flight.sent[id(p)] for p in landed]
         try:
@@ -480,6 +500,8 @@ class Periodic(Mode):
             self._syncing, self._flight, self.averages = flight
         else:
             self._flight, self.averages = None, {}
+        whole_rounds = self.fragments == 1 and not self.delay and steps % self.sync_every == 0
+        self._agreed = set(range(self.fragments)) if whole_rounds else set()  # saved right after a sync, or not
 
     def _flying_after(self, steps: int) -> bool:
         """Whether a sync is in flight after ``steps`` inner steps: sent after step kS (k >= 1, S = H /
@@ -580,7 +602,7 @@ class DiLoCo(Periodic):
         finally:
             for p, grad in zip(params, kept):
                 p.grad = grad
-            if self._keeps_start:
+            if self._keeps_start or self.steps % self.sync_every:  # (the latter: synchronize() mid-round)
                 self._start.update({id(p): p.detach().clone() for p in params if id(p) in self.averages})
             else:
                 self._start = None
