@@ -316,6 +316,7 @@ class PoseidonDDP(nn.Module, Joinable):
         """Groups, checks, rank 0's state, the cost model's inputs: collective over the group's members.
         The engine itself starts later (:meth:`_bind`), with the mode resolved then."""
         _check_materialised(self.module)
+        _check_dense_gradients(self.module, self.options.periodic is not None)
         self._take_over_module()
         if self._group is None:
             self._group = _group_over(self._group_ranks)
@@ -746,6 +747,19 @@ def _check_materialised(module: nn.Module) -> None:
                     f"PoseidonDDP: {kind} {name!r} is on the meta device: materialise the model before wrapping "
                     f"it, e.g. model.to_empty(device='cpu') then initialise it (reset_parameters() on each "
                     f"module, or load_state_dict() of a checkpoint)")
+
+
+def _check_dense_gradients(module: nn.Module, periodic: bool) -> None:
+    """Refuse, before any collective, an embedding that gives sparse gradients (``sparse=True``) unless
+    the parameters are averaged (``sync_every``): the gradient paths sync dense buffers (it failed in
+    backward with "reshape is not implemented for sparse tensors")."""
+    if periodic:
+        return
+    for name, child in module.named_modules():
+        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse and child.weight.requires_grad:
+            raise ValueError(f"PoseidonDDP: {name or type(child).__name__!r} ({type(child).__name__}(sparse=True)) "
+                             "gives sparse gradients, and PoseidonDDP syncs dense ones: build it with sparse=False, "
+                             "or average the parameters instead (sync_every=H, where the gradients stay local)")
 
 
 def _on_cpu(state: Any) -> Any:

@@ -207,6 +207,33 @@ def checkpoint_resume(rank: int, world_size: int, delay: int, optimizer: str) ->
     return {"straight": straight, "resumed": resumed, "in_flight": in_flight}
 
 
+def checkpointing_keeps_the_trajectory(rank: int, world_size: int, delay: int) -> dict[str, dict]:
+    """8 AdamW steps over a slow link (the coordinator moves the FC layers to SFB after a few passes),
+    twice: straight, and with ``consistency_state_dict()`` after every step (a checkpoint taken while a
+    sync is in flight, training going on): each run's final parameters."""
+    from patterns import slow_link
+
+    spec, runs = ModelSpec(widths=(8, 5)), {}
+    for name in ("straight", "checkpointed"):
+        model = build(spec, seed=spec.seed)
+        wrapped = PoseidonDDP(model, timeout=60, delay=delay, link=slow_link(), fusion_bytes=0)
+        opt = make_optimizer("adamw", wrapped.parameters())
+        for step in range(8):
+            _train_step(wrapped, opt, spec, rank, world_size, step)
+            if name == "checkpointed":
+                wrapped.consistency_state_dict()
+        runs[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        wrapped.close()
+    return runs
+
+
+def _train_step(wrapped: PoseidonDDP, opt, spec: ModelSpec, rank: int, world_size: int, step: int) -> None:
+    opt.zero_grad()
+    x, y = batch(spec, step, 3, world_size)
+    F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
+    opt.step()
+
+
 def refused(rank: int, world_size: int, what: str) -> str:
     """The error a misuse of ``delay`` gets ("" if none)."""
     from poseidon_torch import ServerOptimizer

@@ -247,25 +247,46 @@ def refusals(rank: int, world_size: int) -> dict:
     return errors
 
 
+class Sharpness(torch.optim.Optimizer):
+    """An optimizer whose step() calls the step() of another one it built over the same parameters, as
+    SAM (its second step), ZeroRedundancyOptimizer and other wrappers do: here plain SGD's step."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {})
+        self.base = torch.optim.SGD(self.param_groups, lr=lr)
+        self.param_groups = self.base.param_groups
+
+    def step(self, closure=None):
+        return self.base.step(closure)
+
+
 def optimizer_steps(rank: int, world_size: int) -> dict:
-    """How steps are counted: a subclass whose step() calls super().step() counts once per call (syncs
-    after 2 of them with sync_every=2); a second optimizer over the parameters is refused."""
+    """How steps are counted: a subclass whose step() calls super().step(), and a wrapper whose step()
+    calls the wrapped optimizer's, count once per call (syncs after 2 of them with sync_every=2; the
+    wrapper's parameters are those of plain SGD under the same loop); a second optimizer over the
+    parameters is refused."""
     class Wrapping(torch.optim.SGD):
         def step(self, closure=None):
             return super().step(closure)
 
     torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # torch hooks SGD.step itself from now on
-    model = build(SPEC, seed=0)
-    wrapped = PoseidonDDP(model, timeout=60, sync_every=2)
-    opt = Wrapping(wrapped.parameters(), lr=0.05)
-    syncs = []
-    for step in range(4):
-        _steps(SPEC, wrapped, opt, rank, world_size, step, step + 1)
-        syncs.append(wrapped.comm_stats.iterations)
-    second = torch.optim.SGD(wrapped.parameters(), lr=0.05)
-    error = _error_of(second.step)
-    wrapped.close()
-    return {"syncs": syncs, "second": error}
+    out: dict = {}
+    for name, cls in (("sgd", torch.optim.SGD), ("subclass", Wrapping), ("wrapper", Sharpness)):
+        model = build(SPEC, seed=0)
+        wrapped = PoseidonDDP(model, timeout=60, sync_every=2)
+        opt = cls(wrapped.parameters(), lr=0.05)
+        syncs, error = [], None
+        try:
+            for step in range(4):
+                _steps(SPEC, wrapped, opt, rank, world_size, step, step + 1)
+                syncs.append(wrapped.comm_stats.iterations)
+        except RuntimeError as exc:
+            error = str(exc)
+        out[name] = {"syncs": syncs, "error": error, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        if name == "subclass":
+            out["second"] = _error_of(torch.optim.SGD(wrapped.parameters(), lr=0.05).step)
+        wrapped.close()
+    return out
 
 
 def peer_exits_before_a_sync(rank: int, world_size: int) -> dict:

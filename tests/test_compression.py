@@ -231,6 +231,21 @@ def test_int8_sends_about_a_quarter(cluster):
     assert on_int8 == 2 * (P - 1) * (n + 4 * (n // 256) + 4 * flags), (on_int8, on_ps)
 
 
+def test_int8_sends_no_padding_and_predicts_what_it_sends(cluster):
+    """A layer smaller than one block (10 elements) and one ending in a part of a block (300 = 256 + 44):
+    the last block's zero padding stays home (it was sent: 256 values for a 10-element bias, 5.6 times
+    the PS path's bytes), and the plan's prediction is the mean over the ranks of what was sent (it said
+    n (1 + 4 / B): 12 bytes where 268 went out, so the coordinator chose int8 where it sends more)."""
+    P, layers, flags = cluster.world_size, (((10,),), ((300,),)), 2
+    results = cluster.run(cw.given_run, layers, "INT8", 2, torch.float32, 0, {"start_iter": 1, "block": 256})
+    assert_ran(results, "INT8", 2)
+    for i, n in enumerate((10, 300)):
+        sent = sum(result["bytes"][1][f"layers.{i}"] for result in results)
+        assert sent == 2 * (P - 1) * (n + 4 * -(-n // 256) + 4 * flags), (n, sent)
+        predicted = results[0]["predicted"][f"layers.{i}"]["INT8"][0]  # (bytes, seconds)
+        assert predicted == pytest.approx(sent / P), (n, predicted, sent / P)
+
+
 def test_fp16_saturates_instead_of_overflowing(cluster):
     """A gradient beyond fp16's range is sent as 65504; the excess stays in the residual (nothing is inf)."""
     results = cluster.run(cw.given_run, (((3,),),), "FP16", 2, torch.float32, 0, None, 0, 1e6)

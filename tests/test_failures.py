@@ -59,3 +59,14 @@ def test_an_unmaterialised_model_is_refused_before_any_collective(cluster, kind,
         assert "'0.weight'" in result["error"] and advice in result["error"], result["error"]
         assert result["elapsed"] < 5
         assert result["sum_of_ranks"] == sum(range(len(results)))
+
+
+def test_a_sparse_embedding_is_refused_by_name_unless_parameters_are_averaged(cluster):
+    """nn.Embedding(sparse=True) failed inside the first backward ("reshape is not implemented for sparse
+    tensors"); it is refused at construction, naming the module and the ways out. Under sync_every the
+    gradients stay local, so it trains."""
+    for result in cluster.run(workers.sparse_embedding, {}):
+        assert result["error"] is not None and "'0' (Embedding(sparse=True))" in result["error"], result
+        assert "sparse=False" in result["error"] and "sync_every" in result["error"]
+    assert all(result == {"error": None, "trained": True} for result in cluster.run(workers.sparse_embedding,
+                                                                                  {"sync_every": 2}))

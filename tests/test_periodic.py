@@ -345,8 +345,14 @@ def test_bad_options_and_combinations_are_refused_by_name(cluster):
 
 
 def test_a_step_is_one_outermost_step_of_one_optimizer(cluster):
+    """A subclass calling super().step() and a wrapper calling the wrapped optimizer's step() (SAM's
+    shape; it was refused as a second optimizer) each count one step per call, and the wrapper trains
+    as plain SGD does; a second optimizer is refused."""
     for result in cluster.run(pw.optimizer_steps):
-        assert result["syncs"] == [0, 1, 1, 2]
+        for name in ("sgd", "subclass", "wrapper"):
+            assert result[name]["error"] is None and result[name]["syncs"] == [0, 1, 1, 2], (name, result[name])
+        for n, value in result["sgd"]["params"].items():
+            assert torch.equal(result["wrapper"]["params"][n], value), n
         assert result["second"][0] == "RuntimeError" and "use one optimizer with param groups" in result["second"][1]
 
 

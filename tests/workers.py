@@ -850,3 +850,23 @@ def unmaterialised_model(rank: int, world_size: int, kind: str) -> dict:
     total = torch.tensor([float(rank)])
     torch.distributed.all_reduce(total)
     return {"error": error, "elapsed": elapsed, "sum_of_ranks": total.item()}
+
+
+def sparse_embedding(rank: int, world_size: int, options: dict) -> dict:
+    """An nn.Embedding(sparse=True) under ``PoseidonDDP(**options)``: the error construction raises (None:
+    accepted), and when accepted, whether 3 steps of SparseAdam trained."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 1))
+    try:
+        wrapped = PoseidonDDP(model, timeout=20, **options)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    before = model[0].weight.detach().clone()
+    opt = torch.optim.SparseAdam(list(model[0].parameters()), lr=0.01)
+    for step in range(3):
+        x = torch.randint(0, 20, (3, 2), generator=torch.Generator().manual_seed(3 * step + rank))
+        opt.zero_grad()
+        wrapped(x).sum().backward()
+        opt.step()
+    wrapped.close()
+    return {"error": None, "trained": not torch.equal(model[0].weight, before)}

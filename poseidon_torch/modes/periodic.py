@@ -15,8 +15,9 @@ at the same sync; integer ones (counters) stay as they are.
 What a step is: one ``step()`` of the inner optimizer, the torch optimizer over this model's parameters
 whose ``step()`` runs (torchft's rule; torch's ``PostLocalSGDOptimizer`` counts its own ``step()`` too):
 backwards, ``no_sync()`` and micro-batches do not count, a step that GradScaler skips does not count, a
-subclass whose ``step()`` calls ``super().step()`` counts once. One optimizer: a second one stepping these
-parameters is refused (use param groups).
+subclass whose ``step()`` calls ``super().step()`` counts once, and so does a wrapper whose ``step()`` calls
+the step() of the optimizer it wraps (SAM, ZeroRedundancyOptimizer): the outermost counts. One optimizer:
+a second one stepping these parameters is refused (use param groups).
 
 Invariants (without ``delay`` and ``fragments``, which change the first, third and fourth as below):
 - after every sync all ranks hold bit-identical parameters (each average is computed once and sent to
@@ -195,12 +196,6 @@ def running_steps() -> list[Optimizer]:
     return running
 
 
-def outermost_step(optimizer: Optimizer) -> bool:
-    """Whether the ``step()`` whose hook runs now is not nested in another ``step()`` of ``optimizer`` (a
-    subclass whose ``step()`` calls ``super().step()``: torch runs the hooks at both levels)."""
-    return sum(running is optimizer for running in running_steps()) <= 1
-
-
 class RoundJob:
     """A bucket's job in an outer sync (a :class:`~poseidon_torch.paths.Job`): ``payload(p)`` of every
     parameter staged instead of its gradient, averaged by ``path``; a bucket outside the fragment being
@@ -276,7 +271,7 @@ class Periodic(Mode):
         self.engine: Engine | None = None
         self.outer: Optimizer | None = None  #: DiLoCo's
         self._synced: set[int] = set()
-        self._steps_model: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
+        self._steps_model_of: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
         self._inner: weakref.ref | None = None
         self._jobs: dict[Path, RoundJob] = {}
         self._landing = Landing(self.take, self._member)
@@ -326,10 +321,13 @@ class Periodic(Mode):
     def _join_a_running_step(self) -> None:
         """The engine starts at the first forward; where that forward runs inside the inner optimizer's
         ``step()`` (a closure: LBFGS), that step began before the hooks existed: its pre-hook runs now (its
-        closure's first forward comes before its update, so the parameters are still the step's start)."""
-        outermost = next((opt for opt in reversed(running_steps()) if self._inner_step(opt)), None)
+        closure's first forward comes before its update, so the parameters are still the step's start).
+        The outermost ``step()`` over the model's parameters is the one that counts (:meth:`_inner_step`)."""
+        outermost = next((opt for opt in reversed(running_steps()) if self._steps_model(opt)), None)
         if outermost is not None:
-            self._before_step(outermost, (), {})
+            self._check_one_optimizer(outermost)
+            if self.steps % self.sync_every == 0:
+                self.round_begins()
 
     def buckets_changed(self, buckets: Sequence[Bucket]) -> None:
         """Cut the buckets (fused once) into ``fragments`` runs of consecutive buckets of about equal bytes,
@@ -372,15 +370,23 @@ class Periodic(Mode):
     # ---- the inner optimizer's steps ---------------------------------------------------------------
 
     def _inner_step(self, optimizer: Optimizer) -> bool:
-        """Whether ``optimizer``'s ``step()`` is an inner step (it steps this model's parameters)."""
-        if optimizer is self.outer:
+        """Whether ``optimizer``'s ``step()``, whose hook runs now, is an inner step: it steps this model's
+        parameters, and no ``step()`` of an optimizer that does runs around it (a subclass whose ``step()``
+        calls ``super().step()``, a wrapper whose ``step()`` calls the wrapped optimizer's, as SAM's does:
+        torch runs the hooks at every level, and the outermost counts)."""
+        if not self._steps_model(optimizer) or sum(map(self._steps_model, running_steps())) > 1:
             return False
-        steps_model = self._steps_model.get(optimizer)
+        self._check_one_optimizer(optimizer)
+        return True
+
+    def _steps_model(self, optimizer: Optimizer | None) -> bool:
+        """Whether ``optimizer`` steps this model's parameters (DiLoCo's outer optimizer aside)."""
+        if optimizer is None or optimizer is self.outer:
+            return False
+        steps_model = self._steps_model_of.get(optimizer)
         if steps_model is None:
-            steps_model = self._steps_model[optimizer] = any(
+            steps_model = self._steps_model_of[optimizer] = any(
                 id(p) in self._synced for group in optimizer.param_groups for p in group["params"])
-        if steps_model:
-            self._check_one_optimizer(optimizer)
         return steps_model
 
     def _check_one_optimizer(self, optimizer: Optimizer) -> None:
@@ -395,11 +401,11 @@ class Periodic(Mode):
                 "first one before building another)")
 
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
-        if self._inner_step(optimizer) and self.steps % self.sync_every == 0 and outermost_step(optimizer):
+        if self._inner_step(optimizer) and self.steps % self.sync_every == 0:
             self.round_begins()
 
     def _after_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
-        if not (self._inner_step(optimizer) and outermost_step(optimizer)):
+        if not self._inner_step(optimizer):
             return
         self.steps += 1
         self._agreed.clear()

@@ -20,8 +20,9 @@ zeros), and P ranks:
 A value that is not finite makes its block's scale inf or NaN, so the average is not finite there on
 every rank: GradScaler skips the step and the residuals stay (nothing saturates, unlike the fp16 cast).
 
-Bytes one rank sends: those of the PS path for n (1 + 4 / B) bytes (n elements, fp32 scales): 2 (P-1)/P
-of that, about a quarter of an fp32 bucket's. Compute: a dozen passes over the bucket in memory (the
+Bytes one rank sends: those of the PS path for n + 4 ceil(n / B) bytes (n elements, fp32 scales; the
+last block's padding is not sent), plus the flags: 2 (P-1)/P of that, about a quarter of an fp32
+bucket's. Compute: a dozen passes over the bucket in memory (the
 residual added, the block maxima, the division and rounding, the new residual; at the owner the
 dequantized sum and its quantization; the dequantized average), costed as :data:`_BYTES_PER_ELEMENT`
 bytes per fp32 element at the probed memory bandwidth: a calibration, not a count (on the 2-core CI
@@ -31,6 +32,7 @@ machine it pays over 100 Mbit/s (a saved byte costs 80 ns there) and not over 10
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -97,11 +99,14 @@ class Int8Path(LossyPath):
 
     def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
                 memory_bps: float | None = None) -> Prediction | None:
-        """None for a bucket of bytes already, or without the memory bandwidth."""
+        """The bytes of :meth:`sync` (n values, a scale per started block and the flags, in the compute
+        dtype); None for a bucket of bytes already, or without the memory bandwidth."""
         if cost.element_size <= 1 or memory_bps is None:
             return None
         elements = cost.nbytes / cost.element_size
-        sent, seconds = predict_ps(elements * (1 + 4 / self.block), world_size, link)
+        values = sum(math.prod(shape) for shape in cost.shapes) if cost.shapes else elements
+        side = -(-values // self.block) + elements - values  # the scales, then the flags
+        sent, seconds = predict_ps(values + side * max(cost.element_size, 4), world_size, link)
         compute_s = elements * _BYTES_PER_ELEMENT * max(cost.element_size, 4) / 4 / memory_bps
         return Prediction(sent, seconds + compute_s, compute_s)
 
@@ -123,14 +128,15 @@ class Int8Path(LossyPath):
         return wire
 
     def _new_wire(self, bucket: Bucket) -> Wire:
-        """The buffers and schedules of ``bucket``: chunk i carries blocks [a, b) as values [a B, b B) and
-        side [a, b) (the last one the flags too), under tags i and i + chunks."""
-        chunks, block, device = self._chunks[id(bucket)], self.block, bucket.flat.device
-        blocks = -(-bucket.grad_numel // block)
-        flags = bucket.flat.numel() - bucket.grad_numel
+        """The buffers and schedules of ``bucket``: chunk i carries blocks [a, b) as values [a B, min(b B,
+        n)) (the last block's zero padding stays home: every rank's is 0) and side [a, b) (the last one
+        the flags too), under tags i and i + chunks."""
+        chunks, block, device, n = self._chunks[id(bucket)], self.block, bucket.flat.device, bucket.grad_numel
+        blocks = -(-n // block)
+        flags = bucket.flat.numel() - n
         values = torch.zeros(blocks * block, dtype=torch.int8, device=device)
         side = torch.zeros(blocks + flags, dtype=self.compute_dtype(bucket.dtype), device=device)
-        value_chunks = [Chunk(c.start * block, c.stop * block, c.owner, c.tag) for c in chunks]
+        value_chunks = [Chunk(c.start * block, min(c.stop * block, n), c.owner, c.tag) for c in chunks]
         side_chunks = [Chunk(c.start, side.numel() if c is chunks[-1] else c.stop, c.owner, c.tag + len(chunks))
                        for c in chunks]
         return Wire(values, side, blocks, build_schedule(values, values.numel(), value_chunks, self.rank, self.world_size),
@@ -166,15 +172,28 @@ class Int8Path(LossyPath):
                       size: int) -> Tensor:
         """An owned chunk: the mean of every rank's dequantized part (summed in rank order), quantized into
         ``own`` and the scales of ``side_own``, its flags (if it carries them) averaged; what the
-        quantization of the mean lost, flat."""
-        blocks = own.numel() // self.block
+        quantization of the mean lost, flat (the last chunk's parts end where the bucket does: their
+        last block is padded with zeros here)."""
+        blocks = -(-own.numel() // self.block)
         total = None
         for part, side in zip(parts, side_parts):
-            value = dequantize(part.view(blocks, self.block), side[:blocks])
+            value = dequantize(_whole_blocks(part, blocks, self.block), side[:blocks])
             total = value if total is None else total.add_(value)
         mean = total.div_(size)
-        quantize(mean, own.view(blocks, self.block), side_own[:blocks])
+        quantized = _whole_blocks(own, blocks, self.block)
+        quantize(mean, quantized, side_own[:blocks])
+        own.copy_(quantized.view(-1)[:own.numel()])
         flags = [side[blocks:] for side in side_parts]
         if flags[0].numel():
             side_own[blocks:].copy_(torch.stack(flags).sum(dim=0).div_(size))
-        return mean.sub_(dequantize(own.view(blocks, self.block), side_own[:blocks])).view(-1)
+        return mean.sub_(dequantize(quantized, side_own[:blocks])).view(-1)
+
+
+def _whole_blocks(values: Tensor, blocks: int, block: int) -> Tensor:
+    """``values`` (int8, flat) as ``blocks`` rows of ``block``: a view when it fills them, else a copy
+    padded with zeros."""
+    if values.numel() == blocks * block:
+        return values.view(blocks, block)
+    padded = values.new_zeros(blocks * block)
+    padded[:values.numel()] = values
+    return padded.view(blocks, block)
