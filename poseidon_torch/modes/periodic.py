@@ -396,7 +396,7 @@ class Periodic(Mode):
         elif inner is not optimizer:
             raise RuntimeError(
                 f"PoseidonDDP(sync_every={self.sync_every}) counts the step() calls of one optimizer over the model's "
-                f"parameters and syncs after every {self.sync_every}th; a second one ({type(optimizer).__name__}, "
+                f"parameters and syncs after every {self.sync_every} of them; a second one ({type(optimizer).__name__}, "
                 f"besides {type(inner).__name__}) stepped them: use one optimizer with param groups (or drop the "
                 "first one before building another)")
 
