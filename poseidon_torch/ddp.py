@@ -580,13 +580,19 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def synchronize(self) -> None:
         """In parameter-server mode: wait until every parameter holds the value of the last step (the
-        forward and ``ServerOptimizer.step()`` do it already; the parameters' ``state_dict`` too). With
-        ``sync_every`` (collective: call it on every rank after the same step): end the round now, so
-        every rank holds the same parameters, e.g. before the final evaluation or save: the sync in
-        flight lands and every fragment syncs at once (local SGD: the average; DiLoCo: the outer step of
-        the partial round); the step count and the schedule go on from there."""
+        forward and ``ServerOptimizer.step()`` do it already; the parameters' ``state_dict`` too). Local:
+        one rank may call it alone."""
         if self._engine is not None:
-            self._engine.mode.synchronize(self._engine)
+            self._engine.settle()
+
+    def end_round(self) -> None:
+        """With ``sync_every`` (collective: call it on every rank after the same step): end the round now,
+        so every rank holds the same parameters, e.g. before the final evaluation or save: the sync in
+        flight lands and every fragment syncs at once (local SGD: the average; DiLoCo: the outer step of
+        the partial round); the step count and the schedule go on from there. Other modes: as
+        :meth:`synchronize`."""
+        if self._engine is not None:
+            self._engine.mode.end_round(self._engine)
 
     def consistency_state_dict(self) -> dict:
         """What a checkpoint must carry besides the model and the optimizer to resume the same

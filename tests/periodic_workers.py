@@ -348,9 +348,9 @@ def closure_optimizer(rank: int, world_size: int) -> dict:
 
 
 def synchronize_mid_round(rank: int, world_size: int, options: dict) -> dict:
-    """5 steps of SGD (H = 4: mid-round, maybe a sync in flight), then ``synchronize()``: every rank's
+    """5 steps of SGD (H = 4: mid-round, maybe a sync in flight), then ``end_round()``: every rank's
     parameters before (gathered, so the test can average them) and after; then 3 more steps and a second
-    ``synchronize()`` at a round's end: the parameters after it."""
+    ``end_round()`` at a round's end: the parameters after it."""
     import torch.distributed as dist
 
     model = build(SPEC, seed=0)
@@ -361,10 +361,10 @@ def synchronize_mid_round(rank: int, world_size: int, options: dict) -> dict:
     mine = {n: p.detach().clone() for n, p in model.named_parameters()}
     everyone = [None] * world_size
     dist.all_gather_object(everyone, mine)
-    wrapped.synchronize()
+    wrapped.end_round()
     after = {n: p.detach().clone() for n, p in model.named_parameters()}
     _steps(SPEC, wrapped, opt, rank, world_size, 5, 8)
-    wrapped.synchronize()
+    wrapped.end_round()
     later = {n: p.detach().clone() for n, p in model.named_parameters()}
     wrapped.close()
     return {"before": everyone, "after": after, "later": later}

@@ -187,8 +187,8 @@ def test_buffers_are_averaged_at_each_sync_unless_broadcast_buffers_is_off(clust
                                      {"sync_every": 4, "delay": 1}, {"sync_every": 4, "fragments": 2, "delay": 1,
                                                                       "fusion_bytes": 0}],
                          ids=["local-sgd", "diloco", "delayed", "fragments"])
-def test_synchronize_ends_the_round_on_every_rank(cluster, options):
-    """``synchronize()`` after step 5 (H = 4: mid-round; with delay 1 the sync sent after step 4 landed in
+def test_end_round_ends_the_round_on_every_rank(cluster, options):
+    """``end_round()`` after step 5 (H = 4: mid-round; with delay 1 the sync sent after step 4 landed in
     step 5): every rank holds the same bits, for local SGD without a delay the average of the ranks'
     parameters (rank order); training goes on, and a second one after step 8 agrees again."""
     results = cluster.run(pw.synchronize_mid_round, options)

@@ -197,8 +197,8 @@ class Mode:
     def after_step(self) -> None:
         """The optimizer's ``step()`` ran (a ``ServerOptimizer``'s)."""
 
-    def synchronize(self, engine: Engine) -> None:
-        """``PoseidonDDP.synchronize()``: whatever a step left in flight lands now."""
+    def end_round(self, engine: Engine) -> None:
+        """``PoseidonDDP.end_round()``: whatever a step left in flight lands now."""
         engine.settle()
 
     # ---- what it supports, what it keeps ----------------------------------------------------------

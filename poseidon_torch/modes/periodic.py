@@ -261,7 +261,7 @@ class Periodic(Mode):
         self.delay, self.fragments, self.spacing = options.delay, options.fragments, options.spacing
         self.sync_nice = PipeSGD.sync_nice if self.delay else 0  # the training thread first while a sync flies
         self._fragment_of: dict[int, int] = {}  #: id(bucket) -> its fragment
-        self._at_once = False  #: syncs land at once whatever the delay (``synchronize()``)
+        self._at_once = False  #: syncs land at once whatever the delay (``end_round()``)
         #: the fragments whose parameters are the same on every rank (landed without drift, no step since)
         self._agreed: set[int] = set(range(options.fragments))
         self._syncing = 0  #: the fragment of the sync sent last (in flight until it lands)
@@ -429,7 +429,7 @@ class Periodic(Mode):
         if not deferred:
             self._land()
 
-    def synchronize(self, engine: Engine) -> None:
+    def end_round(self, engine: Engine) -> None:
         """End the round now (collective): the sync in flight lands, then every fragment not already the
         same on every rank syncs and lands at once (one that just synced is not synced again: DiLoCo's
         outer optimizer would take an empty step); every rank then holds the same parameters."""
@@ -608,7 +608,7 @@ class DiLoCo(Periodic):
         finally:
             for p, grad in zip(params, kept):
                 p.grad = grad
-            if self._keeps_start or self.steps % self.sync_every:  # (the latter: synchronize() mid-round)
+            if self._keeps_start or self.steps % self.sync_every:  # (the latter: end_round() mid-round)
                 self._start.update({id(p): p.detach().clone() for p in params if id(p) in self.averages})
             else:
                 self._start = None
