@@ -10,7 +10,7 @@
 #   TASK         the task [lm-wide: the 3.3 M-parameter byte LM, batch 8 per host; lm: 0.84 M, batch 16]
 #   BUDGET       training seconds per mode and run, on rank 0's clock [300]
 #   REPEATS      runs of every cell [3]; runs are the outer loop, so a stopped matrix has whole runs
-#   RATES        link rates of the 2-host cells ["1gbit 100mbit 10mbit"]
+#   RATES        link rates of the 2-host cells ["1gbit 100mbit 10mbit"; empty for none, to run the 4-host cell alone]
 #   FOUR_HOST_RATE  the 4-host cell's link, empty for none [100mbit]
 #   CPUS_PER_HOST   the 4-host cell's CPU per host [this machine's cores / 4]
 #   MODES        comma-separated [the three baselines, torch DDP and every PoseidonDDP mode but the
@@ -28,7 +28,7 @@ out=${1:-accuracy_matrix_out}
 task=${TASK:-lm-wide}
 budget=${BUDGET:-300}
 repeats=${REPEATS:-3}
-rates=${RATES:-"1gbit 100mbit 10mbit"}
+rates=${RATES-"1gbit 100mbit 10mbit"}
 four_host_rate=${FOUR_HOST_RATE-100mbit}
 cpus_per_host=${CPUS_PER_HOST:-$(python -c "import os; print(len(os.sched_getaffinity(0)) / 4)")}
 modes=${MODES:-torch-ddp,torch-ddp-powersgd,torch-ddp-localsgd,one-host,poseidon-ps,poseidon-hybrid,poseidon-server,poseidon-server-lazy,poseidon-delay1,poseidon-delay2,poseidon-ssp1,poseidon-ssp3,poseidon-async}
