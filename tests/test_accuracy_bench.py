@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from poseidon_torch.bench.accuracy.__main__ import parse_args as parse_accuracy_args
-from poseidon_torch.bench.accuracy.report import divergence_from, time_to, value_at
+from poseidon_torch.bench.accuracy.report import divergence_from, slowest_level_speedup, time_to, value_at
 from poseidon_torch.bench.accuracy.stragglers import Straggler, parse_straggler
 from poseidon_torch.bench.launch import RankFailure, run_ranks
 
@@ -307,6 +307,43 @@ def test_the_target_counts_at_the_first_point_that_reaches_it() -> None:
     assert value_at(evals, "m", 5.0) == 2.1 and value_at(evals, "m", -1.0) is None
     with pytest.raises(ValueError, match="fewer than two"):
         divergence_from(evals[:1], evals, "m")
+
+
+def _curve(points: list[tuple[float, float]], train_time_s: float = 100.0) -> dict:
+    return {"evals": [{"step": 10 * i, "time_s": t, "m": v} for i, (t, v) in enumerate(points)],
+            "train_time_s": train_time_s}
+
+
+def test_the_slowest_level_is_found_among_every_value_below_the_first_evaluation() -> None:
+    """One host alone against a mode: the speed-up at each value either curve evaluated below both first
+    evaluations is the ratio of their first times at or below it; the smallest is reported, the first
+    evaluation (one grid step apart by construction) is left out, and a value the mode never reaches is 0."""
+    one_host = _curve([(0, 8.0), (4, 5.0), (8, 4.0), (12, 3.5), (16, 3.0)])
+    ahead = _curve([(0, 8.0), (5, 5.2), (6, 4.5), (7, 3.9), (8, 3.4), (9, 2.9)])
+    # levels below 5.0, one host's first time over the mode's: 4.5 (8/6), 4.0 (8/7), 3.9 (12/7), 3.5 (12/8),
+    # 3.4 (16/8), 3.0 (16/9), 2.9 (one host never: at least 100/9); the slowest is 4.0, at 8/7
+    assert slowest_level_speedup(one_host, ahead, "m") == pytest.approx(
+        {"x": 8 / 7, "value": 4.0, "at_least": False, "levels": 7})
+    behind_once = _curve([(0, 8.0), (5, 5.2), (6, 4.5), (13, 3.9), (14, 2.9)])
+    assert slowest_level_speedup(one_host, behind_once, "m")["x"] == pytest.approx(8 / 13)
+    short = _curve([(0, 8.0), (3, 4.9), (4, 3.6)])  # levels below 4.9: 4.0, 3.6, 3.5 and 3.0; never 3.5
+    assert slowest_level_speedup(one_host, short, "m") == {"x": 0.0, "value": 3.5, "at_least": False, "levels": 4}
+    assert slowest_level_speedup(one_host, _curve([(0, 8.0)]), "m") is None
+
+
+def test_the_summary_recomputes_the_slowest_level_of_runs_written_before_it_existed(tmp_path: Path) -> None:
+    from poseidon_torch.bench.accuracy.summary import summarise
+
+    config = {"task": "lm", "hosts": 2, "link": "100mbit", "cpus_per_host": None, "straggler": "none",
+              "time_budget_s": 20.0, "steps": None, "eval_every": 10}
+    modes = {"one-host": _curve([(0, 8.0), (4, 5.0), (8, 4.0), (12, 3.5), (16, 3.0)], 16.0),
+             "mode": _curve([(0, 8.0), (5, 5.2), (6, 4.5), (13, 3.9), (14, 2.9)], 14.0)}
+    for run in modes.values():
+        run.update(metric="m", steps_by_rank=[40, 40])
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"config": config, "modes": modes}))
+    row = summarise([path])[0]["summary"]["modes"]["mode"]
+    assert row["slowest_level_vs_one_host"]["median"] == pytest.approx(8 / 13)
 
 
 def test_a_slow_link_is_shaped_at_its_own_rate() -> None:

@@ -75,6 +75,8 @@ def add_derived(report: dict, target: float | None, budget_s: float | None) -> N
                 run["divergence_from_ddp"] = divergence_from(reference["evals"], run["evals"], metric)
     for run in runs.values():
         run["speedup_over"] = {name: speedup(runs[name], run) for name in SPEEDUP_REFERENCES if name in runs}
+        run["slowest_level_speedup_over"] = {name: slowest_level_speedup(runs[name], run, metric)
+                                             for name in SPEEDUP_REFERENCES if name in runs and runs[name] is not run}
 
 
 def speedup(reference: dict, run: dict) -> dict | None:
@@ -85,6 +87,37 @@ def speedup(reference: dict, run: dict) -> dict | None:
     if reference["time_to_target_s"] is not None:
         return {"x": reference["time_to_target_s"] / run["time_to_target_s"], "at_least": False}
     return {"x": reference["train_time_s"] / run["time_to_target_s"], "at_least": True}
+
+
+def slowest_level_speedup(reference: dict, run: dict, metric: str) -> dict | None:
+    """The speed-up over ``reference`` at the level where it is smallest, over every value that either
+    run evaluated below both runs' first evaluation after the start (step 0): ``{"x", "value",
+    "at_least", "levels"}``, or None where there is no such level. The first evaluation is left out as
+    the issue's criterion does ("at every value below the first evaluation"): before it the curves are
+    one grid step apart by construction, not by the mode.
+
+    At each level v the speed-up is the reference's time to v over the run's (:func:`time_to` on both
+    curves); a level the run never reached counts 0, one the reference never reached gives the lower
+    bound of its training time over the run's time. Both times are step functions that change only at
+    evaluated values, so these levels cover every value down to the lowest one evaluated: x > 1 means
+    the run reached every such value sooner than the reference."""
+    if min(len(reference["evals"]), len(run["evals"])) < 2:
+        return None
+    first = min(reference["evals"][1][metric], run["evals"][1][metric])
+    levels = sorted({point[metric] for curve in (reference, run) for point in curve["evals"][1:]
+                     if point[metric] < first}, reverse=True)
+    worst = None
+    for level in levels:
+        ours, theirs = time_to(run["evals"], metric, level), time_to(reference["evals"], metric, level)
+        if ours is None:
+            x, at_least = 0.0, False
+        elif theirs is None:
+            x, at_least = reference["train_time_s"] / ours["time_s"], True
+        else:
+            x, at_least = theirs["time_s"] / ours["time_s"], False
+        if worst is None or x < worst["x"]:
+            worst = {"x": x, "value": level, "at_least": at_least}
+    return None if worst is None else {**worst, "levels": len(levels)}
 
 
 def speedup_text(value: dict | None) -> str:

@@ -4,8 +4,11 @@
 
 A cell is one configuration (task, hosts, link, CPU per host, straggler, budget); its runs are the
 repeats. For every mode of a cell: steps, seconds per step, MB sent per step per host, the metric at the
-budget, seconds to the target and the speed-ups over torch DDP and over ``one-host`` at the target, each
-as the median over the repeats with the range (``median (min-max)``). The target is each run's own (by
+budget, seconds to the target, the speed-ups over torch DDP and over ``one-host`` at the target, and the
+speed-up over ``one-host`` at the level where it is smallest (every value below the first evaluation;
+above 1: the mode was sooner than one host at every such value), each as the median over the repeats with the range
+(``median (min-max)``). The derived fields are recomputed from each run's evaluations as the report
+defines them, so runs written before a field existed get it too. The target is each run's own (by
 default torch DDP's last value on its evaluation grid). The winner of a cell is the mode with the lowest
 median time to the target, a run that never reached it counting as infinitely slow (so a mode that
 reached it in fewer than half the repeats cannot win); ties go to the lower median value at the budget.
@@ -24,7 +27,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from poseidon_torch.bench.accuracy.report import REFERENCE_MODE
+from poseidon_torch.bench.accuracy.report import REFERENCE_MODE, add_derived
 
 CELL_KEYS = ("task", "hosts", "link", "cpus_per_host", "straggler", "time_budget_s", "steps")
 
@@ -65,6 +68,7 @@ COLUMNS = {
     "value_at_budget": lambda run: run.get("value_at_budget"),
     "time_to_target_s": lambda run: run.get("time_to_target_s"),
     **{name: (lambda run, reference=reference: _speedup(run, reference)) for name, reference in SPEEDUPS.items()},
+    "slowest_level_vs_one_host": lambda run: (run.get("slowest_level_speedup_over", {}).get("one-host") or {}).get("x"),
 }
 
 
@@ -134,8 +138,8 @@ def markdown(summary: list[dict]) -> str:
     for entry in summary:
         cell = entry["summary"]
         lines += [f"### {entry['title']}", "",
-                  "| mode | steps | s/step | MB/step/host | value at budget | s to target | vs DDP | vs one-host |",
-                  "|---" * 8 + "|"]
+                  "| mode | steps | s/step | MB/step/host | value at budget | s to target | vs DDP | vs one-host "
+                  "| vs one-host, slowest level |", "|---" * 9 + "|"]
         for mode in cell["ranking"]:
             row = cell["modes"][mode]
             failed = f" ({row['failed']} failed)" if row["failed"] else ""
@@ -143,8 +147,8 @@ def markdown(summary: list[dict]) -> str:
                          f"| {_cell_text(row['mb_per_step'], '.3f')} | {_cell_text(row['value_at_budget'], '.3f')} "
                          f"| {_cell_text(row['time_to_target_s'], '.1f')} "
                          + "".join(f"| {_cell_text(row[name], '.2f', row['lower_bounds'][name])} " for name in SPEEDUPS)
-                         + "|")
-        lines += [f"| {mode} (every run failed) |" + " |" * 7 for mode in cell["failed_only"]]
+                         + f"| {_cell_text(row['slowest_level_vs_one_host'], '.2f')} |")
+        lines += [f"| {mode} (every run failed) |" + " |" * 8 for mode in cell["failed_only"]]
         lines += ["", winner_line(cell), ""]
     return "\n".join(lines)
 
@@ -153,6 +157,7 @@ def summarise(paths: list[Path]) -> list[dict]:
     cells: dict[tuple, list[dict]] = defaultdict(list)
     for path in paths:
         report = json.loads(path.read_text())
+        add_derived(report, report.get("target"), report.get("budget_s"))
         cells[cell_of(report["config"])].append(report)
     return [{"cell": dict(zip(CELL_KEYS, cell)), "title": cell_title(cell, len(reports)),
              "summary": summarise_cell(reports)} for cell, reports in cells.items()]
