@@ -104,6 +104,7 @@ class Coordinator:
         #: layers whose lossy path won by cost but may not start yet (``start_iter``): kept alone in a bucket
         self.waiting: dict[str, str] = {}
         self.solo: set[str] = set()  #: layers that have a bucket of their own
+        self.routed: str | None = None  #: the path every bucket takes, whatever the plan (:meth:`route_all`)
         self.learned = False         #: the buckets are learned (fixed from now on)
         self.passes = 0              #: synced passes observed
         #: a mode that updates at the owners: a path that does not reduce there is charged their pull
@@ -122,6 +123,13 @@ class Coordinator:
         """Every layer on the default path from now on (ranks on their own clocks take no common step)."""
         self.overrides = {name: self.default for name in (*self.fc, *self.compressible, *self.overrides)}
         self.chosen, self.waiting = {}, {}
+
+    def route_all(self, path: str) -> None:
+        """Every bucket on ``path`` from now on, whatever its layers (a mode whose syncs carry something
+        other than gradients, through the one path it was given): no layer is chosen by cost, forced
+        elsewhere or kept alone for a lossy path."""
+        self.routed = path
+        self.overrides, self.chosen, self.waiting, self.compressible = {}, {}, {}, []
 
     def buckets_changed(self, solo: set[str], learned: bool) -> None:
         """The engine installed new buckets: ``solo`` layers have one of their own."""
@@ -152,7 +160,9 @@ class Coordinator:
         """The path of ``bucket`` this pass: its layer's (alone in the bucket) in the plan; a factor path
         only where the layer's round of forwards was committed to it (a retained graph from before the plan
         changed goes through the default path). A joined rank's shadow pass ran no forward: it follows the
-        plan, as the ranks that did commit their calls to it."""
+        plan, as the ranks that did commit their calls to it. A routed engine's buckets all take its path."""
+        if self.routed is not None:
+            return self.routed
         path = self.chosen.get(bucket.layers[0].name) if len(bucket.layers) == 1 else None
         if path is None:
             return self.default
@@ -312,7 +322,7 @@ class Coordinator:
         """The paths a plan shows: the default, the exact ones chosen by cost, the lossy ones ``compression=``
         names, those an override names."""
         forced = set(self.overrides.values())
-        return [path for name, path in self.paths.items() if name == self.default or name in forced
+        return [path for name, path in self.paths.items() if name in (self.default, self.routed) or name in forced
                 or (path.by_cost and (path.exact or name in self.lossy))]
 
     def _row(self, bucket: Bucket) -> PlanRow:
@@ -323,7 +333,8 @@ class Coordinator:
             predicted = (self._predict(path, bucket.nbytes, bucket.params, layer) if layer is not None or not path.factors
                          else None)
             predictions[path.name] = None if predicted is None else (predicted.bytes, predicted.seconds)
-        planned = self.chosen.get(bucket.layers[0].name, self.default) if len(bucket.layers) == 1 else self.default
+        planned = self.routed or (self.chosen.get(bucket.layers[0].name, self.default) if len(bucket.layers) == 1
+                                  else self.default)
         return PlanRow(bucket.name, kind, tuple(bucket.params[0].shape), self.k_max[layer.name] if layer else None,
                        planned, bucket.name in self.overrides, predictions, tuple(part.name for part in bucket.layers))
 

@@ -154,7 +154,7 @@ class Options:
         if self.compression and not self.hybrid:
             raise ValueError("compression= chooses paths per layer, which needs hybrid=True (hybrid=False sends every "
                              "layer through the PS path, exactly)")
-        check_periodic(self.periodic, dict(self.overrides), [path for path, _ in self.compression])
+        check_periodic(self.periodic, dict(self.overrides))
 
     @property
     def compression_settings(self) -> dict[str, dict[str, Any]]:
@@ -230,7 +230,8 @@ class PoseidonDDP(nn.Module, Joinable):
             PowerSGD with error feedback and warm start), ``"bf16"`` or ``"fp16"`` (reduced precision with
             error feedback), ``"int8"`` (8 bits with a scale per block, error feedback), a list of them, or a dict of each with its settings, e.g.
             ``{"powersgd": {"rank": 8, "start_iter": 100}}``. They change the arithmetic: the averages are
-            approximations whose errors are fed back into later steps.
+            approximations whose errors are fed back into later steps. With ``sync_every`` and ``outer``
+            one path, which every outer sync takes for DiLoCo's pseudo-gradients (docs/periodic.md).
         sync_every: periodic averaging (default None: every synced backward averages the gradients). With
             H >= 1 every backward is local and the user's optimizer steps each rank on its own gradients;
             right after every H-th ``step()`` of it the ranks sync: local SGD, or DiLoCo with ``outer``.
@@ -281,7 +282,9 @@ class PoseidonDDP(nn.Module, Joinable):
         if fusion_bytes is not None and ddp.fusion_bytes is not None:
             raise ValueError("pass either fusion_bytes or bucket_cap_mb (torch DDP's name for it), not both")
         fusion_bytes = fusion_bytes if ddp.fusion_bytes is None else ddp.fusion_bytes
-        periodic = periodic_option(sync_every, outer, ddp.buffers_follow_rank0, module.parameters(), delay, fragments)
+        lossy = compression_option(compression)
+        periodic = periodic_option(sync_every, outer, ddp.buffers_follow_rank0, module.parameters(), delay, fragments,
+                                   tuple(lossy))
         self.options = Options(
             chunk_bytes=option(chunk_bytes, "CHUNK_BYTES", int, DEFAULT_CHUNK_BYTES),
             fusion_bytes=option(fusion_bytes, "FUSION_BYTES", int, DEFAULT_FUSION_BYTES),
@@ -291,8 +294,7 @@ class PoseidonDDP(nn.Module, Joinable):
             overrides=tuple(sorted((overrides or {}).items())), link=link,
             trace=TraceConfig.resolve(trace_dir, trace_skip, trace_iters),
             engine=option(engine, "ENGINE", str, "native"), delay=delay,
-            compression=tuple((path, tuple(sorted(settings.items())))
-                              for path, settings in compression_option(compression).items()),
+            compression=tuple((path, tuple(sorted(settings.items()))) for path, settings in lossy.items()),
             periodic=periodic)
         self._group = ddp.group or dist.group.WORLD
         self._group_ranks = dist.get_process_group_ranks(self._group)

@@ -235,7 +235,10 @@ def refusals(rank: int, world_size: int) -> dict:
         # (SPEC has 3 layers: 3 buckets at most, whatever the cap)
         "delay not an int": lambda: wrap(sync_every=2, delay=1.0),
         "SFB override": lambda: wrap(sync_every=2, fusion_bytes=0, overrides={"head": "SFB"}),
-        "with compression": lambda: wrap(sync_every=2, compression="powersgd"),
+        "compression with local SGD": lambda: wrap(sync_every=2, compression="int8"),
+        "two compressions": lambda: wrap(sync_every=2, outer=NESTEROV, compression=["int8", "bf16"]),
+        "compression and overrides": lambda: wrap(sync_every=2, outer=NESTEROV, compression="int8", fusion_bytes=0,
+                                                  overrides={"head": "allreduce"}),
         "lossy override": lambda: wrap(sync_every=2, fusion_bytes=0, overrides={"head": "BF16"}),
     }
     errors = {case: _error_of(make) for case, make in cases.items()}
@@ -368,3 +371,48 @@ def synchronize_mid_round(rank: int, world_size: int, options: dict) -> dict:
     later = {n: p.detach().clone() for n, p in model.named_parameters()}
     wrapped.close()
     return {"before": everyone, "after": after, "later": later}
+
+
+# ---- a lossy outer sync: DiLoCo's pseudo-gradients compressed, with error feedback ----------------------
+
+def lossy_outer_sync(rank: int, world_size: int, compression: str | None, h: int, steps: int) -> dict:
+    """fp64 DiLoCo with an outer SGD of lr 1 (local SGD on pseudo-gradients), H = ``h``, AdamW inside, the
+    outer syncs on ``compression``'s path: each round's start (the same on every rank), this rank's
+    pseudo-gradient (start minus its parameters after the round's last inner step, read by a step hook
+    registered before the wrapper's, so before the sync), its final error-feedback residuals, the bytes
+    each sync sent by path, and the plan's paths."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    model = build(SPEC, seed=0).double()
+    wrapped = PoseidonDDP(model, timeout=60, sync_every=h, outer=(torch.optim.SGD, {"lr": 1.0}),
+                          **({"compression": compression} if compression else {}))
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05)
+    params = dict(model.named_parameters())
+    starts = [{n: p.detach().clone() for n, p in params.items()}]
+    pseudo, taken, sent = [], [0], []
+
+    def before_the_sync(optimizer, args, kwargs) -> None:
+        if optimizer is not opt:  # the outer optimizer's step, inside the sync
+            return
+        taken[0] += 1
+        if taken[0] % h == 0:
+            pseudo.append({n: starts[-1][n] - p.detach() for n, p in params.items()})
+
+    hook = register_optimizer_step_post_hook(before_the_sync)
+    try:
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = batch(SPEC, step, 3, world_size)
+            F.mse_loss(wrapped(shard(x, rank, 3).double()), shard(y, rank, 3).double()).backward()
+            opt.step()
+            if (step + 1) % h == 0:
+                starts.append({n: p.detach().clone() for n, p in params.items()})
+                sent.append(dict(wrapped.comm_stats.bytes_by_path))
+    finally:
+        hook.remove()
+    state = wrapped.consistency_state_dict()
+    paths = state.get("paths", {"ranks": [{}] * world_size})["ranks"][rank]
+    residuals = {n: t for kept in paths.values() for n, t in kept.get("residual", {}).items()}
+    plan = set(wrapped.plan.paths().values())
+    wrapped.close()
+    return {"starts": starts, "pseudo": pseudo, "residuals": residuals, "sent": sent, "plan": plan}

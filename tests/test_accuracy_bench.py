@@ -166,15 +166,17 @@ def test_a_time_budget_stops_every_rank_after_the_same_step(tmp_path: Path) -> N
     """Lockstep modes stop every rank after the step rank 0 publishes; local SGD after a step that
     averages (its ranks meet only there), with one model on every rank; PoseidonDDP's local SGD with
     ``delay=3`` after step 4k + 2, the last one a rank may take before the sync sent after step 4k lands
-    (streaming, a fragment per step landing one step later: any step, the ranks a step apart at most);
+    (streaming, a fragment per step landing one step later: any step, the ranks a step apart at most; the
+    same on int8 pseudo-gradients, sending less than half its bytes);
     compute-only, which never syncs, stops each rank on its own clock, at its first step that ends past
     the budget."""
     budget = 1.5
     done, report = run_accuracy(tmp_path, "--task", "lm", "--time-budget", str(budget), "--eval-every", "5",
                                 "--modes", "torch-ddp,poseidon-ps,torch-ddp-localsgd,poseidon-localsgd-delay3,poseidon-streaming,"
-                                "compute-only")
+                                "poseidon-streaming-int8,compute-only")
     assert done.returncode == 0, done.stderr
-    for mode in ("torch-ddp", "poseidon-ps", "torch-ddp-localsgd", "poseidon-localsgd-delay3", "poseidon-streaming"):
+    for mode in ("torch-ddp", "poseidon-ps", "torch-ddp-localsgd", "poseidon-localsgd-delay3", "poseidon-streaming",
+                 "poseidon-streaming-int8"):
         run = _ok(report, mode)
         steps = run["steps_by_rank"]
         assert steps[0] == steps[1] > 1, steps
@@ -186,8 +188,10 @@ def test_a_time_budget_stops_every_rank_after_the_same_step(tmp_path: Path) -> N
     delayed = _ok(report, "poseidon-localsgd-delay3")
     assert delayed["steps_by_rank"][0] % 4 == 2 and len({d["final"] for d in delayed["param_digests_by_rank"]}) == 1
     assert len({d["before_final_average"] for d in delayed["param_digests_by_rank"]}) == 2  # each its own drift
-    streaming = _ok(report, "poseidon-streaming")
+    streaming, int8 = _ok(report, "poseidon-streaming"), _ok(report, "poseidon-streaming-int8")
     assert len({d["final"] for d in streaming["param_digests_by_rank"]}) == 1
+    assert len({d["final"] for d in int8["param_digests_by_rank"]}) == 1
+    assert 0 < max(int8["bytes_per_step_by_rank"]) < 0.5 * min(streaming["bytes_per_step_by_rank"])
     alone = _ok(report, "compute-only")
     assert alone["stop_rule"] == "own clock"
     for ends in alone["step_end_s_by_rank"]:  # each rank's own clock

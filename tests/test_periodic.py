@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import periodic_workers as pw
 import training
 from models import ModelSpec, model_specs
+from poseidon_torch.paths import compression_options
 from training import Run
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -137,16 +138,20 @@ def test_fragments_are_runs_of_consecutive_buckets_of_about_equal_bytes(sizes, f
         assert abs(held - share) <= max(sizes) + 1e-9 or held == max(sizes), (sizes, assigned)
 
 
-def test_fragments_resume_bit_for_bit_with_a_sync_in_flight(cluster):
+@pytest.mark.parametrize("compression", [None, "int8"])
+def test_fragments_resume_bit_for_bit_with_a_sync_in_flight(cluster, compression):
     """DiLoCo, H = 4 in 2 fragments, delay 1: a checkpoint after step 5 (fragment 0's second sync, sent
-    after step 6, not yet; fragment 1's first, sent after 4, landed) and after step 6 (in flight)."""
+    after step 6, not yet; fragment 1's first, sent after 4, landed) and after step 6 (in flight); with
+    int8 outer syncs the checkpoint carries every rank's residuals too."""
     for stop in (5, 6):
-        options = {"sync_every": 4, "fragments": 2, "delay": 1, "fusion_bytes": 0, "outer": NESTEROV}
+        options = {"sync_every": 4, "fragments": 2, "delay": 1, "fusion_bytes": 0, "outer": NESTEROV,
+                   **({"compression": compression} if compression else {})}
         for rank, result in enumerate(cluster.run(pw.checkpoint_resume, options, "adamw", stop, 9)):
             for name, value in result["straight"].items():
                 assert torch.equal(result["resumed"][name], value), f"stop {stop}: rank {rank}: {name} differs"
             assert ("in_flight" in result["saved"]["periodic"]) == (stop == 6)
             assert result["saved"]["periodic"]["fragments"] == 2
+            assert ("paths" in result["saved"]) == (compression is not None)
 
 
 @pytest.mark.slow
@@ -333,7 +338,9 @@ def test_bad_options_and_combinations_are_refused_by_name(cluster):
         "more fragments than buckets": ("ValueError", "fragments, and it has 3 (buckets of whole layers"),
         "delay not an int": ("TypeError", "delay must be an int"),
         "SFB override": ("ValueError", "from their factors"),
-        "with compression": ("ValueError", "compression= with sync_every=2 is not supported"),
+        "compression with local SGD": ("ValueError", "needs outer= (DiLoCo)"),
+        "two compressions": ("ValueError", "every outer sync takes one path"),
+        "compression and overrides": ("ValueError", "every outer sync takes the INT8 path"),
         "lossy override": ("ValueError", "overrides put ['head'] on the lossy path(s) ['BF16']"),
         "ServerOptimizer": ("RuntimeError", "drop sync_every"),
         "join": ("RuntimeError", "join() (uneven inputs) is not supported with sync_every=2"),
@@ -379,3 +386,33 @@ def test_a_closure_optimizer_whose_first_forward_runs_inside_step(cluster):
         for n, value in result["local"]["params"].items():
             torch.testing.assert_close(result["diloco"]["params"][n], value, rtol=1e-4, atol=1e-5,
                                        msg=lambda m: f"rank {rank} {n}: {m}")
+
+
+@pytest.mark.parametrize("compression", ["int8", "bf16", {"powersgd": {"rank": 1}}], ids=["int8", "bf16", "powersgd"])
+def test_a_lossy_outer_sync_loses_nothing_to_error_feedback(cluster, compression):
+    """DiLoCo (outer SGD, lr 1) with its pseudo-gradients on a lossy path, fp64, H = 2 over 8 steps: every
+    rank starts each round from the same bits; the rounds' applied averages plus the mean of the ranks'
+    final residuals equal the sum of the true averaged pseudo-gradients (error feedback across rounds loses
+    nothing, to fp64 rounding); the path ran (the plan names it for every bucket, the syncs sent fewer bytes
+    than the exact outer sync) and rounded (an applied average differs from the exact one)."""
+    h, steps = 2, 8
+    results = cluster.run(pw.lossy_outer_sync, compression, h, steps)
+    exact = cluster.run(pw.lossy_outer_sync, None, h, steps)
+    path = compression_options()[next(iter(compression)) if isinstance(compression, dict) else compression].name
+    for rank, result in enumerate(results):
+        assert result["plan"] == {path}, f"rank {rank}: the plan shows {result['plan']}"
+        for k, start in enumerate(result["starts"]):
+            assert all(torch.equal(t, results[0]["starts"][k][n]) for n, t in start.items()), f"rank {rank}, round {k}"
+        assert all(sent[path] > 0 and sum(sent.values()) < sum(full.values())
+                   for sent, full in zip(result["sent"], exact[rank]["sent"]))
+    rounded = False
+    for name, first in results[0]["starts"][0].items():
+        applied = first - results[0]["starts"][-1][name]
+        true = sum(torch.stack([r["pseudo"][k][name] for r in results]).mean(0) for k in range(steps // h))
+        residual = torch.stack([r["residuals"].get(name, torch.zeros_like(first)) for r in results]).mean(0)
+        torch.testing.assert_close(applied + residual, true, rtol=0, atol=1e-12,
+                                   msg=lambda m: f"{compression}: {name}: {m}")
+        last = results[0]["starts"][-2][name] - results[0]["starts"][-1][name]
+        rounded |= not torch.allclose(last, torch.stack([r["pseudo"][-1][name] for r in results]).mean(0),
+                                      rtol=0, atol=1e-12)
+    assert rounded, f"{compression}: every applied average was exact: the lossy path did not run"

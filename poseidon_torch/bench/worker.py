@@ -29,7 +29,9 @@ hybrid with ``compression={"powersgd": ...}`` at the baseline's ``--powersgd-ran
 ``poseidon-powersgd-delay1`` (the same with ``delay=1``), ``poseidon-bf16`` (``compression="bf16"``) and
 ``poseidon-int8`` (``compression="int8"``). ``poseidon-localsgd-delay3`` is ``poseidon-localsgd`` with
 ``delay=3``: each sync overlaps the next 3 steps; ``poseidon-streaming`` is local SGD in as many
-fragments as the period has steps, one synced per step with ``delay=1`` (Streaming DiLoCo's schedule).
+fragments as the period has steps, one synced per step with ``delay=1`` (Streaming DiLoCo's schedule);
+``poseidon-streaming-int8`` is the same schedule on pseudo-gradients (DiLoCo with an outer SGD of lr 1,
+which is local SGD) sent as 8 bits with error feedback (``compression="int8"``).
 All modes use gloo, initialised from the env variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
 Invariants:
@@ -81,21 +83,23 @@ STALE_MODES = {"poseidon-ssp1": 1, "poseidon-ssp3": 3, "poseidon-async": None}
 SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-priority", *STALE_MODES)
 #: Pipe-SGD: the default mode (hybrid) with ``delay=k``
 DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2, "poseidon-ps-delay1": 1, "poseidon-powersgd-delay1": 1,
-               "poseidon-localsgd-delay3": 3, "poseidon-streaming": 1}
+               "poseidon-localsgd-delay3": 3, "poseidon-streaming": 1, "poseidon-streaming-int8": 1}
 #: the lossy path each compressed mode names (``compression=``)
 COMPRESSION_MODES = {"poseidon-powersgd": "powersgd", "poseidon-powersgd-delay1": "powersgd", "poseidon-bf16": "bf16",
-                     "poseidon-int8": "int8"}
-#: periodic averaging, ``sync_every`` = the local SGD baseline's period: whether DiLoCo's outer optimizer runs
-PERIODIC_MODES = {"poseidon-localsgd": False, "poseidon-diloco": True, "poseidon-localsgd-delay3": False,
-                  "poseidon-streaming": False}
+                     "poseidon-int8": "int8", "poseidon-streaming-int8": "int8"}
+#: periodic averaging, ``sync_every`` = the local SGD baseline's period, and its outer optimizer: none (local
+#: SGD on the parameters), DiLoCo's, or SGD at lr 1 (local SGD on pseudo-gradients, which a lossy path carries)
+PERIODIC_MODES = {"poseidon-localsgd": "none", "poseidon-diloco": "diloco", "poseidon-localsgd-delay3": "none",
+                  "poseidon-streaming": "none", "poseidon-streaming-int8": "sgd"}
 #: periodic modes that cut the model into fragments, one per step of the period
-STREAMING_MODES = ("poseidon-streaming",)
+STREAMING_MODES = ("poseidon-streaming", "poseidon-streaming-int8")
 PS_ONLY_MODES = ("poseidon-ps", "poseidon-ps-python", "poseidon-ps-delay1")  #: every layer on the PS path
 POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES, *DELAY_MODES,
                   *COMPRESSION_MODES, *PERIODIC_MODES)
-MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero", *SERVER_MODES,
-         *(mode for mode in DELAY_MODES if mode not in COMPRESSION_MODES and mode not in PERIODIC_MODES), *PERIODIC_MODES, *BASELINE_MODES,
-         *COMPRESSION_MODES)
+MODES = tuple(dict.fromkeys((
+    "compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", "ddp-zero", *SERVER_MODES,
+    *(mode for mode in DELAY_MODES if mode not in COMPRESSION_MODES and mode not in PERIODIC_MODES), *PERIODIC_MODES,
+    *BASELINE_MODES, *COMPRESSION_MODES)))
 DEFAULT_MODES = MODES[:4]
 #: modes whose ranks never communicate while they train
 ALONE_MODES = ("compute-only", ONE_HOST)
@@ -145,7 +149,8 @@ def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None,
         os.environ["POSEIDON_PULL_PRIORITY"] = "1"
     periodic = {}
     if mode in PERIODIC_MODES:
-        periodic = {"sync_every": baselines.localsgd_period, "outer": DILOCO_OUTER if PERIODIC_MODES[mode] else None,
+        outer = {"none": None, "diloco": DILOCO_OUTER, "sgd": (torch.optim.SGD, {"lr": 1.0})}[PERIODIC_MODES[mode]]
+        periodic = {"sync_every": baselines.localsgd_period, "outer": outer,
                     "fragments": baselines.localsgd_period if mode in STREAMING_MODES else 1}
     return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=timeout, trace_dir=trace_dir,
                                       engine=engine, delay=DELAY_MODES.get(mode, 0),

@@ -53,6 +53,10 @@ optimizer's state and the next round's start are the same bits on every rank. A 
 sync is in flight waits for it and carries its average, what was sent and the step it lands after; a run
 that ends with a sync in flight (its ``close()``) waits for it and does not apply it. BatchNorm's
 statistics are averaged when the sync lands.
+
+With ``compression=`` (DiLoCo only: ``options.path``) every bucket of every outer sync takes that lossy
+path (the coordinator routes them all there), whose error feedback carries each rank's rounding of its
+pseudo-gradient into its next round's; local SGD's syncs carry the parameters, which take no residual.
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ import copy
 import functools
 import sys
 import weakref
-from collections.abc import Callable, Collection, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +101,9 @@ class PeriodicOptions:
     average_buffers: bool = True
     delay: int = 0
     fragments: int = 1
+    #: the lossy path every outer sync takes (``compression=``; DiLoCo only: it carries pseudo-gradients),
+    #: or None: the engine's plan (exact)
+    path: str | None = None
 
     @property
     def spacing(self) -> int:
@@ -108,10 +115,11 @@ class PeriodicOptions:
 
 
 def periodic_option(sync_every: object, outer: object, average_buffers: bool, params: Iterable[nn.Parameter],
-                    delay: object = 0, fragments: object = 1) -> PeriodicOptions | None:
+                    delay: object = 0, fragments: object = 1, compression: Sequence[str] = ()
+                    ) -> PeriodicOptions | None:
     """The options checked (None: not periodic; ``delay`` is then Pipe-SGD's, checked elsewhere). The outer
     optimizer is built once over ``params``, so arguments it refuses are refused here, on every rank, before
-    any collective."""
+    any collective. ``compression``: the lossy paths ``compression=`` names (checked), at most one here."""
     if sync_every is None:
         if outer is not None or fragments != 1:
             raise ValueError(f"PoseidonDDP option {'outer' if outer is not None else 'fragments'} (periodic averaging) "
@@ -132,13 +140,31 @@ def periodic_option(sync_every: object, outer: object, average_buffers: bool, pa
                          f"must land before the next one is sent, {spacing} step(s) later, so delay (the inner steps it "
                          f"stays in flight) must be at most {spacing}")
     cls, kwargs = _outer_parts(outer)
-    options = PeriodicOptions(sync_every, cls, tuple(sorted(kwargs.items())), average_buffers, delay, fragments)
+    path = _sync_path(sync_every, cls, compression)
+    options = PeriodicOptions(sync_every, cls, tuple(sorted(kwargs.items())), average_buffers, delay, fragments, path)
     if cls is not None:
         try:
             options.build_outer([p for p in params if p.requires_grad])
         except (TypeError, ValueError) as exc:
             raise ValueError(f"PoseidonDDP option outer: {cls.__name__} refused its arguments {kwargs}: {exc}") from exc
     return options
+
+
+def _sync_path(sync_every: int, outer_class: type[Optimizer] | None, compression: Sequence[str]) -> str | None:
+    """The lossy path of the outer syncs (None: exact): only DiLoCo's pseudo-gradients, which error
+    feedback carries from one round to the next as it carries gradients from one step to the next; local
+    SGD's syncs carry the parameters themselves, which no residual may be added to (``outer=(SGD, {"lr":
+    1.0})`` is local SGD on pseudo-gradients)."""
+    if not compression:
+        return None
+    if outer_class is None:
+        raise ValueError(f"compression={list(compression)} with sync_every={sync_every} needs outer= (DiLoCo): the lossy "
+                         "paths compress pseudo-gradients with error feedback, and local SGD (outer=None) averages the "
+                         "parameters themselves; outer=(torch.optim.SGD, {'lr': 1.0}) is local SGD on pseudo-gradients")
+    if len(compression) != 1:
+        raise ValueError(f"compression={list(compression)} with sync_every={sync_every}: every outer sync takes one path "
+                         "(the coordinator's per-layer choice costs gradients every step, not a sync every H): name one")
+    return compression[0]
 
 
 def _outer_parts(outer: object) -> tuple[type[Optimizer] | None, dict[str, Any]]:
@@ -159,22 +185,20 @@ def _outer_parts(outer: object) -> tuple[type[Optimizer] | None, dict[str, Any]]
     return cls, kwargs
 
 
-def check_periodic(options: PeriodicOptions | None, overrides: Mapping[str, str],
-                   compression: Collection[str] = ()) -> None:
-    """Refuse what makes no sense with periodic averaging (at construction, on every rank): paths that
-    could not carry parameters or pseudo-gradients (factor paths, and lossy ones, whose error feedback is
-    built for gradients)."""
+def check_periodic(options: PeriodicOptions | None, overrides: Mapping[str, str]) -> None:
+    """Refuse what makes no sense with periodic averaging (at construction, on every rank): overrides onto
+    paths that could not carry parameters or pseudo-gradients (factor paths, and lossy ones: a lossy
+    outer sync is ``compression=``, for every bucket)."""
     if options is None:
         return
-    if compression:
-        raise ValueError(f"compression= with sync_every={options.sync_every} is not supported: the periodic sync "
-                         "averages parameters (or DiLoCo's pseudo-gradients), which the lossy paths' error feedback "
-                         "is not built for; drop one of them")
+    if options.path is not None and overrides:
+        raise ValueError(f"overrides= with sync_every={options.sync_every} and compression: every outer sync takes the "
+                         f"{options.path} path, for every layer; drop one of them")
     lossy = sorted(name for name, path in overrides.items() if not path_class(path).exact)
     if lossy:
         raise ValueError(f"overrides put {lossy} on the lossy path(s) {sorted({overrides[n] for n in lossy})}; with "
-                         f"sync_every={options.sync_every} the sync carries parameters or pseudo-gradients, which "
-                         "they would round or project: name an exact path, or leave those layers out")
+                         f"sync_every={options.sync_every} a lossy outer sync takes every layer (compression= with "
+                         "outer=, DiLoCo's pseudo-gradients): name an exact path, or leave those layers out")
     factors = sorted(name for name, path in overrides.items() if path_class(path).factors)
     if factors:
         raise ValueError(f"overrides put {factors} on {sorted({overrides[n] for n in factors})}, which syncs gradients "
@@ -311,6 +335,8 @@ class Periodic(Mode):
     def attach(self, engine: Engine) -> None:
         self.engine = engine
         self._synced = {id(p) for p in engine.params}
+        if self.options.path is not None:
+            engine.coordinator.route_all(self.options.path)
         if self.fragments > 1:  # buckets of 1/(2F) of the model besides their largest layer: F fragments can be cut
             model_bytes = sum(p.numel() * p.element_size() for p in engine.params)
             self.first_fusion_bytes = max(1, model_bytes // (2 * self.fragments))
