@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -110,6 +111,37 @@ def test_poseidon_takes_sfb_where_it_is_cheaper_and_grows_with_the_machines():
     assert row.sfb_layers == ()
 
 
+def test_a_lossy_scheme_compresses_a_layer_only_where_its_model_predicts_a_shorter_sync():
+    """poseidon+int8: at 80 Mbit/s both layers of ``two_layers`` go to the 8-bit path (a quarter of the
+    bytes for 22 ns of compute per element at 20 GB/s), so it sends what the path predicts and its
+    iteration is shorter than poseidon's; at 80 Gbit/s the compute costs more than the bytes it saves and
+    it is poseidon; without a memory bandwidth no lossy path is costed; bf16 sends half. Pipelined, where
+    the link is hidden anyway, the compression's compute lengthens the iteration."""
+    from poseidon_torch.paths import BucketCost
+    from poseidon_torch.simulate.schemes import PATHS
+
+    profile = two_layers(memory_bps=20e9)
+    int8 = PATHS["INT8"].predict
+    (row,) = predict(profile, ["poseidon+int8"], [2], LINK)
+    assert row.sfb_layers == ("top", "bottom")
+    expected = sum(int8(BucketCost(nbytes, nbytes - 8, None, ((nbytes // 4 - 2,),)), 2, LINK, None, 20e9).bytes
+                   for nbytes in (8e6, 4e6))
+    assert row.bytes_per_machine == pytest.approx(expected)
+    assert 0.25 < row.bytes_per_machine / predict(profile, ["poseidon"], [2], LINK)[0].bytes_per_machine < 0.27
+    assert iteration("poseidon+int8", profile) < iteration("poseidon", profile)
+    # pipelined, the link is hidden behind the 6.5 s of compute either way: the compression compute only
+    # adds to it (the coordinator chooses by each sync's time, not the iteration's: issue 48's gap)
+    compute = sum(job.compute_s for job in SCHEMES["poseidon+int8"].jobs(profile, 2, LINK))
+    assert iteration("poseidon+delay", profile) == pytest.approx(6.5) and compute > 0.05
+    assert iteration("poseidon+int8+delay", profile) == pytest.approx(6.5 + compute)
+    fast = LinkModel(1e-5, 1e-10)
+    assert predict(profile, ["poseidon+int8"], [2], fast)[0] == replace(predict(profile, ["poseidon"], [2], fast)[0],
+                                                                         scheme="poseidon+int8")
+    assert iteration("poseidon+int8", two_layers()) == iteration("poseidon", two_layers())
+    (bf16,) = predict(profile, ["poseidon+bf16"], [2], LINK)
+    assert bf16.sfb_layers == ("top", "bottom") and bf16.bytes_per_machine > 1.9 * row.bytes_per_machine
+
+
 def test_every_prediction_is_at_least_the_compute():
     profile = vgg19_22k()
     for row in predict(profile, list(SCHEMES), [1, 2, 8, 64], LinkModel.from_gbps(1.0, 50)):
@@ -124,19 +156,26 @@ def test_vgg19_22k_profile_has_the_papers_size_and_iteration():
     assert [layer.name for layer in profile.layers[:3]] == ["fc8", "fc7", "fc6"]
 
 
-@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "ps"])
-def test_bytes_and_plan_match_the_engines_counters(cluster, tmp_path, hybrid):
+@pytest.mark.parametrize("hybrid, compression", [(True, None), (False, None), (True, "int8")],
+                         ids=["hybrid", "ps", "int8"])
+def test_bytes_and_plan_match_the_engines_counters(cluster, tmp_path, hybrid, compression):
     """The simulator fed the traced run's own trace, at its machines and link, sends what the engine
-    counted (mean over ranks) and chooses SFB for the same layers."""
-    results = cluster.run(simulate_workers.traced_bytes, str(tmp_path), hybrid)
+    counted (mean over ranks) and takes the same layers off the PS path, to the same paths: SFB, or with
+    ``compression="int8"`` the 8-bit path where the coordinator's model (bytes, and the compression
+    compute at the probed memory bandwidth the trace records) predicts it cheaper."""
+    results = cluster.run(simulate_workers.traced_bytes, str(tmp_path), hybrid, compression)
     profile = from_trace(tmp_path / "trace_merged.json")
     link = LinkModel(**profile.link)
-    scheme = "poseidon" if hybrid else "wfbp"
+    scheme = "wfbp" if not hybrid else "poseidon" if compression is None else f"poseidon+{compression}"
     (row,) = predict(profile, [scheme], [cluster.world_size], link)
     assert row.bytes_per_machine == pytest.approx(sum(r["bytes"] for r in results) / cluster.world_size, rel=1e-12)
-    engine_sfb = {name for name, outcome in results[0]["outcomes"].items() if outcome == "SFB"}
-    assert set(row.sfb_layers) == engine_sfb
-    assert engine_sfb == ({"body.0", "body.2", "body.4"} if hybrid else set())
+    engine_off_ps = {name for name, outcome in results[0]["outcomes"].items() if outcome != "PS"}
+    assert set(row.sfb_layers) == engine_off_ps
+    jobs = {job.name: job.path for job in SCHEMES[scheme].jobs(profile, cluster.world_size, link)}
+    assert {name: jobs[name] for name in engine_off_ps} == {name: results[0]["outcomes"][name] for name in engine_off_ps}
+    expected = {None: {"body.0", "body.2", "body.4"}, "int8": {"body.0", "body.2", "body.4", "head"}}
+    assert engine_off_ps == (expected[compression] if hybrid else set())
+    assert (profile.memory_bps is not None) == (compression is not None)
     assert profile.forward_s > 0 and all(layer.backward_s > 0 for layer in profile.layers)
 
 
@@ -179,6 +218,7 @@ def test_cli_prints_the_papers_figures_beside_vgg19_22k():
     (["vgg19-22k", "--bandwidth", "1gbit", "--hosts", "0,2"], "must be >= 1"),
     (["vgg19-22k", "--bandwidth", "1gbit", "--schemes", "ring"], "unknown scheme"),
     (["vgg19-22k", "--bandwidth", "1gbit", "--slowdown", "0.5"], "finite factor >= 1"),
+    (["vgg19-22k", "--bandwidth", "1gbit", "--memory-gbps", "-3"], "memory_bps is a finite number > 0"),
 ])
 def test_cli_bad_input_is_a_clear_error(args, message, capsys):
     """In process (the command's wiring is ``run_cli``'s tests'): the exit status and the message."""

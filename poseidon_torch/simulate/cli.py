@@ -4,7 +4,7 @@ Usage::
 
     python -m poseidon_torch.simulate TRACE --hosts 2,4,8 --bandwidth 10gbit [--latency-us 50] [--json]
         [--schemes ddp,ps,wfbp,poseidon,wfbp+delay,poseidon+delay] [--slowdown S] [--compute-scale F]
-        [--gemm-gflops G] [--plot speedup.png] [--profile-out profile.json]
+        [--gemm-gflops G] [--memory-gbps B] [--plot speedup.png] [--profile-out profile.json]
 
 TRACE is a ``trace_merged.json`` or a rank's trace (the tracer's, with the model layout), a profile
 JSON (``--profile-out`` writes one to edit), or ``vgg19-22k``: the Poseidon paper's model, printed beside
@@ -26,7 +26,7 @@ from ..trace.files import TraceFormatError
 from . import paper
 from .predict import Row, predict
 from .profile import Profile, load
-from .schemes import SCHEMES
+from .schemes import COMPRESSIONS, SCHEMES
 
 PROG = "poseidon-simulate"
 DEFAULT_HOSTS = "1,2,4,8,16,32,64"
@@ -84,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--compute-scale", type=float, default=1.0,
                         help="every compute time times this (e.g. a faster or busier machine) [1]")
     parser.add_argument("--gemm-gflops", type=float, help="SFB's rebuild GEMM rate [the trace's probe]")
+    parser.add_argument("--memory-gbps", type=float,
+                        help="memory bandwidth in GB/s, the rate of a lossy path's compression (the poseidon+int8, "
+                             "+bf16, +fp16 schemes) [the trace's probe, taken by a run with compression=]")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--plot", metavar="PNG", help="write the speed-up curves")
     parser.add_argument("--profile-out", metavar="JSON",
@@ -92,9 +95,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _adjusted(profile: Profile, args: argparse.Namespace) -> Profile:
-    """``profile`` with ``--gemm-gflops`` and ``--compute-scale`` applied."""
+    """``profile`` with ``--gemm-gflops``, ``--memory-gbps`` and ``--compute-scale`` applied."""
     if args.gemm_gflops is not None:
         profile = replace(profile, gemm_flops=args.gemm_gflops * 1e9)
+    if args.memory_gbps is not None:
+        profile = replace(profile, memory_bps=args.memory_gbps * 1e9)
     return profile.scaled(args.compute_scale) if args.compute_scale != 1.0 else profile
 
 
@@ -113,7 +118,7 @@ def _with_paper(row: dict, figures: dict) -> dict:
 def format_rows(rows: list[Row], profile: Profile, link: LinkModel, figures: dict | None = None) -> str:
     """The rows as an aligned table, with the paper's speed-up and the gap where ``figures`` has them."""
     figures = figures or {}
-    header = ["scheme", "hosts", "iteration", "speed-up", "throughput", "exposed comm", "sent/machine", "SFB layers"]
+    header = ["scheme", "hosts", "iteration", "speed-up", "throughput", "exposed comm", "sent/machine", "layers off PS"]
     if figures:
         header += ["paper", "gap"]
     table = [header]
@@ -132,6 +137,9 @@ def format_rows(rows: list[Row], profile: Profile, link: LinkModel, figures: dic
     if not any(layer.fc for layer in profile.layers) or profile.gemm_flops is None:
         lines.append("no FC layer with a known shape and rows (K) in the profile, or no GEMM rate: poseidon syncs as "
                      "wfbp (trace the default hybrid mode on 2 ranks to record them)")
+    if profile.memory_bps is None and any("+" in row.scheme and row.scheme.split("+")[1] in COMPRESSIONS for row in rows):
+        lines.append("no memory bandwidth in the profile (a run with compression= records one; or --memory-gbps): "
+                     "the poseidon+<compression> schemes cannot cost a lossy path and sync as poseidon")
     traced = "" if profile.traced_gbps is None else f"; the traced syncs moved {profile.traced_gbps:.3g} Gbit/s"
     lines.append(f"profile: {profile.source}; {len(profile.layers)} layers, {format_bytes(profile.nbytes)}, "
                  f"one machine {profile.compute_s * 1e3:.1f} ms per iteration; GEMM {gemm}{traced}; link: {link}")

@@ -72,6 +72,9 @@ class Profile:
     link: dict | None = field(default=None, compare=False)  #: the traced run's link model, for reference
     #: what the traced run's syncs achieved: bytes sent over the time some sync was on the wire (per rank)
     traced_gbps: float | None = None
+    #: the memory bandwidth a lossy path's compression compute is costed at (None: not measured, and no
+    #: lossy path can be costed)
+    memory_bps: float | None = None
 
     def __post_init__(self) -> None:
         names = [layer.name for layer in self.layers]
@@ -88,7 +91,8 @@ class Profile:
             raise ValueError("a profile's buckets must list every layer once, in the layers' order")
         if self.element_size not in (1, 2, 4, 8):
             raise ValueError(f"a profile's element_size is 1, 2, 4 or 8 bytes, got {self.element_size!r}")
-        for name, value in (("gemm_flops", self.gemm_flops), ("traced_gbps", self.traced_gbps)):
+        for name, value in (("gemm_flops", self.gemm_flops), ("traced_gbps", self.traced_gbps),
+                            ("memory_bps", self.memory_bps)):
             if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
                 raise ValueError(f"a profile's {name} is a finite number > 0 (or null), got {value!r}")
         if self.samples is not None and not (_is_int(self.samples) and self.samples > 0):
@@ -112,13 +116,14 @@ class Profile:
 
     def scaled(self, factor: float) -> Profile:
         """Every compute time times ``factor`` (e.g. the CPU contention of more ranks per machine), SFB's
-        rebuild GEMM included (its rate divided by ``factor``)."""
+        rebuild GEMM and a lossy path's compression included (their rates divided by ``factor``)."""
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"a compute scale must be > 0, got {factor}")
         layers = tuple(replace(layer, backward_s=layer.backward_s * factor) for layer in self.layers)
         gemm = None if self.gemm_flops is None else self.gemm_flops / factor
+        memory = None if self.memory_bps is None else self.memory_bps / factor
         return replace(self, layers=layers, forward_s=self.forward_s * factor, other_s=self.other_s * factor,
-                       gemm_flops=gemm)
+                       gemm_flops=gemm, memory_bps=memory)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,7 +138,7 @@ class Profile:
             return cls(layers, data["forward_s"], data.get("other_s", 0.0),
                        tuple(tuple(bucket) for bucket in data.get("buckets", ())), data.get("element_size", 4),
                        data.get("gemm_flops"), data.get("samples"), data.get("source", ""), data.get("link"),
-                       data.get("traced_gbps"))
+                       data.get("traced_gbps"), data.get("memory_bps"))
         except KeyError as exc:
             raise ValueError(f"not a profile: the field {exc} is missing ({PROFILE_FIELDS})") from None
         except TypeError as exc:
@@ -141,7 +146,7 @@ class Profile:
 
 
 PROFILE_FIELDS = ("fields: layers [name, nbytes, backward_s, fc {m, n, k}, tensors], forward_s, other_s, buckets, "
-                  "element_size, gemm_flops, samples")
+                  "element_size, gemm_flops, samples, memory_bps")
 
 
 def _is_int(value: object) -> bool:
@@ -204,7 +209,7 @@ def _profile_of(path: PathLike, layout: dict, ranks: dict[int, list[Span]]) -> P
     source = f"trace {path}" + (" (parameter-server run: the schemes send what the default mode sends)"
                                 if layout.get("server") else "")
     return Profile(tuple(layers), forward, _median_gap(ranks), tuple(buckets), layout["element_size"],
-                   layout["gemm_flops"], None, source, layout["link"], _wire_gbps(ranks))
+                   layout["gemm_flops"], None, source, layout["link"], _wire_gbps(ranks), layout.get("memory_bps"))
 
 
 def _wire_gbps(ranks: dict[int, list[Span]]) -> float | None:

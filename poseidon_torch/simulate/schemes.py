@@ -12,6 +12,11 @@ what it costs. The timeline (:mod:`.timeline`) is the same for all of them.
   the default path takes that path as a job of its own (SFB's cost grows with the machines, PS's does
   not); its link part uses the link, its compute part (SFB's rebuild GEMM) the compute lane (it runs
   on the same cores or GPU as the backward);
+- ``poseidon+int8``, ``poseidon+bf16``, ``poseidon+fp16``: ``PoseidonDDP(compression=...)``: the same
+  choice with that lossy path among the candidates, costed as the coordinator costs it (its bytes, and
+  its compression compute at the profile's memory bandwidth, on the compute lane); without a memory
+  bandwidth in the profile no lossy path can be costed and the scheme is ``poseidon``. (PowerSGD needs
+  each tensor's shape, which a profile does not hold: not offered);
 - ``<scheme>+delay``: Pipe-SGD (``delay >= 1``): the same jobs, overlapping the next iteration.
 
 Costs come from the registered paths' own predictions (``Path.predict``: the bytes our paths send and
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 from ..bucket import flat_numel
 from ..link import LinkModel
-from ..paths import BucketCost, FCCost, Paths, Prediction
+from ..paths import BucketCost, FCCost, Paths, Prediction, compression_options
 from .profile import LayerProfile, Profile
 from .timeline import Job, Timeline, bsp, pipelined
 
@@ -87,13 +92,18 @@ class WFBP(Scheme):
 
 
 class Poseidon(WFBP):
-    name = "poseidon"
+    """The coordinator's per-layer choice; ``compression``: the lossy path ``compression=`` names (its
+    option, e.g. ``"int8"``), or None."""
+
+    def __init__(self, compression: str | None = None) -> None:
+        self.name = "poseidon" if compression is None else f"poseidon+{compression}"
+        self.lossy = () if compression is None else (compression_options()[compression].name,)
 
     def _group_jobs(self, group: list[LayerProfile], index: dict[str, int], profile: Profile, hosts: int,
                     link: LinkModel) -> list[Job]:
         jobs, rest = [], []
         for layer in group:
-            chosen = self.cheaper_path(layer, profile, hosts, link)
+            chosen = self.cheaper_path(layer, profile, hosts, link, self.lossy)
             if chosen is None:
                 rest.append(layer)
                 continue
@@ -105,14 +115,21 @@ class Poseidon(WFBP):
         return sorted(jobs, key=lambda job: job.after)
 
     @staticmethod
-    def cheaper_path(layer: LayerProfile, profile: Profile, hosts: int, link: LinkModel) -> tuple[str, Prediction] | None:
-        """The path the coordinator would choose for the layer alone by cost, and its prediction, where
-        it beats the default path's sync; else None."""
+    def cheaper_path(layer: LayerProfile, profile: Profile, hosts: int, link: LinkModel,
+                     lossy: tuple[str, ...] = ()) -> tuple[str, Prediction] | None:
+        """The path the coordinator would choose for the layer alone by cost (the exact paths chosen by
+        cost and the ``lossy`` ones), and its prediction, where it beats the default path's sync; else
+        None."""
         fc = FCCost(layer.fc.m, layer.fc.n, layer.fc.k, profile.element_size) if layer.fc is not None else None
-        cost = BucketCost(layer.nbytes, layer.nbytes, fc)
-        best, best_seconds = None, PATHS.default.predict(cost, hosts, link, profile.gemm_flops).seconds
+        elements = layer.nbytes // profile.element_size
+        nbytes = flat_numel(elements, layer.tensors) * profile.element_size  # its bucket's, flags included
+        # a profile knows the layer's elements, not its tensors' shapes: all a cast path reads of them
+        cost = BucketCost(nbytes, layer.nbytes, fc, ((elements,),), profile.element_size)
+        rates = (profile.gemm_flops, profile.memory_bps)
+        best, best_seconds = None, PATHS.default.predict(cost, hosts, link, *rates).seconds
         for path in PATHS.values():
-            predicted = path.predict(cost, hosts, link, profile.gemm_flops) if path.by_cost and path.exact else None
+            takes = path.by_cost and (path.exact or path.name in lossy)
+            predicted = path.predict(cost, hosts, link, *rates) if takes else None
             if predicted is not None and predicted.seconds < best_seconds:
                 best, best_seconds = (path.name, predicted), predicted.seconds
         return best
@@ -138,5 +155,8 @@ def _ps_job(layers: list[LayerProfile], after: int, hosts: int, element_size: in
     return Job("+".join(layer.name for layer in layers), after, predicted.seconds, predicted.bytes, PATHS.default.name)
 
 
-SCHEMES: dict[str, Scheme] = {scheme.name: scheme for scheme in
-                              (TorchDDP(), PlainPS(), WFBP(), Poseidon(), Delayed(WFBP()), Delayed(Poseidon()))}
+#: the lossy paths a scheme may name: those a profile holds enough to cost (not PowerSGD: shapes)
+COMPRESSIONS = ("int8", "bf16", "fp16")
+SCHEMES: dict[str, Scheme] = {scheme.name: scheme for scheme in (
+    TorchDDP(), PlainPS(), WFBP(), Poseidon(), Delayed(WFBP()), Delayed(Poseidon()),
+    *(Poseidon(option) for option in COMPRESSIONS), *(Delayed(Poseidon(option)) for option in COMPRESSIONS))}
