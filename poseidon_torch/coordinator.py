@@ -107,6 +107,7 @@ class Coordinator:
         self.routed: str | None = None  #: the path every bucket takes, whatever the plan (:meth:`route_all`)
         self.learned = False         #: the buckets are learned (fixed from now on)
         self.passes = 0              #: synced passes observed
+        self._plan_due = False       #: facts absorbed since the last plan (:meth:`plan_next`)
         #: a mode that updates at the owners: a path that does not reduce there is charged their pull
         self.pull_values = False
         self._warned: set[str] = set()
@@ -184,6 +185,14 @@ class Coordinator:
 
     def observe(self, everyone: torch.Tensor, num_buckets: int) -> PassFacts:
         """Every rank's facts (one row per rank): update K, sticky flags and the plan."""
+        facts = self.absorb(everyone, num_buckets)
+        self.plan_next()
+        return facts
+
+    def absorb(self, everyone: torch.Tensor, num_buckets: int) -> PassFacts:
+        """Every rank's facts (one row per rank): update K and the sticky flags, count the pass; the plan
+        they lead to is made by :meth:`plan_next` (until then it is *due*: the forwards still read the
+        last one)."""
         rows = everyone.tolist()  # a few ints per bucket and layer: plain Python beats a torch op per value
         aborted_ranks = [r for r, row in enumerate(rows) if row[0]]
         columns = list(zip(*rows))
@@ -199,26 +208,33 @@ class Coordinator:
                 self.sticky[name] |= flags
         if not aborted_ranks:
             self.passes += 1
-            self.chosen = self._plan()
+            self._plan_due = True
         return PassFacts(aborted_ranks, late, late_ranks, syncing)
 
-    def _plan(self) -> dict[str, str]:
-        """Every layer's path off the default one: as forced, or chosen by cost (FC layers, and the layers
-        a named lossy path could take); a lossy path chosen by cost waits for its ``start_iter``, and until
-        then the layer takes the best path that has started (an FC layer keeps SFB where it pays)."""
+    def plan_next(self) -> None:
+        """The plan for the next pass from the facts absorbed since the last one (nothing when none is due)."""
+        if self._plan_due:
+            self.chosen, self.waiting = self._plan()
+            self._plan_due = False
+
+    def _plan(self) -> tuple[dict[str, str], dict[str, str]]:
+        """Every layer's path off the default one, and the layers waiting for a lossy path: as forced, or
+        chosen by cost (FC layers, and the layers a named lossy path could take); a lossy path chosen by
+        cost waits for its ``start_iter``, and until then the layer takes the best path that has started
+        (an FC layer keeps SFB where it pays)."""
         chosen = {name: path for name, path in self.overrides.items()
                   if path != self.default and not self.paths[path].factors}
-        self.waiting = {}
+        waiting = {}
         for name in dict.fromkeys((*self.fc, *self.compressible)):
             if name in chosen:
                 continue
             path = self._choose(name)
             if path is not None and not self._started(path):
-                self.waiting[name] = path
+                waiting[name] = path
                 path = self._choose(name, started_only=True)
             if path is not None:
                 chosen[name] = path
-        return chosen
+        return chosen, waiting
 
     def _started(self, path: str) -> bool:
         """Whether ``path`` may carry a layer chosen by cost this pass: an exact one always, a lossy one
@@ -286,8 +302,10 @@ class Coordinator:
     def state_dict(self) -> dict:
         """With a lossy path named or forced: the synced passes so far (each path's ``start_iter`` counts
         them) and the layers on a lossy path, which a resumed engine's first pass keeps there (empty
-        otherwise: exact paths need nothing)."""
-        lossy = {name: path for name, path in self.chosen.items() if not self.paths[path].exact}
+        otherwise: exact paths need nothing). A plan still due (a pass settled early, for a checkpoint) is
+        the one the next pass takes: its lossy layers are saved, and it stays due."""
+        chosen = self._plan()[0] if self._plan_due else self.chosen
+        lossy = {name: path for name, path in chosen.items() if not self.paths[path].exact}
         if not (lossy or self.lossy):
             return {}
         return {"passes": self.passes, "lossy": lossy}

@@ -583,9 +583,9 @@ class PoseidonDDP(nn.Module, Joinable):
     def synchronize(self) -> None:
         """In parameter-server mode: wait until every parameter holds the value of the last step (the
         forward and ``ServerOptimizer.step()`` do it already; the parameters' ``state_dict`` too). Local:
-        one rank may call it alone."""
+        one rank may call it alone, and training goes on as it would have without the call."""
         if self._engine is not None:
-            self._engine.settle()
+            self._engine.flush()
 
     def end_round(self) -> None:
         """With ``sync_every`` (collective: call it on every rank after the same step): end the round now,
@@ -604,9 +604,9 @@ class PoseidonDDP(nn.Module, Joinable):
         and lossy layers under ``"coordinator"``. The residuals differ between ranks, so ``"paths"`` holds
         every rank's (``{"world_size": P, "ranks": [rank 0's, ...]}``): the copy one rank saves resumes every
         rank. Collective (call it on every rank, as ``ZeroRedundancyOptimizer.consolidate_state_dict``): it
-        waits for the last sync."""
+        waits for the last sync, and training goes on, bit for bit, as it would have without the call."""
         engine = self._started_engine("consistency_state_dict()")
-        engine.settle()
+        engine.flush()
         names = {id(p): name for name, p in self.module.named_parameters()}
         state = engine.mode.state_dict(names)
         mine = {name: _on_cpu(kept) for name, path in engine.paths.items() if (kept := path.state_dict())}

@@ -105,6 +105,8 @@ class Deferred:
     exchange: FactsExchange | None = None
     error: SyncError | None = None
     drained: bool = False
+    #: its averages are where the mode holds them (:meth:`Engine.flush`): what remains is its close
+    written: bool = False
 
 
 @dataclass
@@ -416,6 +418,7 @@ class Engine:
         if not may_defer:
             self._wait_for_jobs(p)
         facts = self._read_facts(p, exchange)
+        self.coordinator.plan_next()  # read before backward returns: the next forwards commit to this plan
         split = self.mode.split_pass_error(facts)
         if split is not None:  # raised when the pass settles, where the other ranks find it too
             self._wait_for_jobs(p)
@@ -428,7 +431,8 @@ class Engine:
         if may_defer:
             self._wait_for_jobs(p)
         self.mode.jobs_done(facts)
-        self._close(p, facts, self.mode.writer(self._live, settling=False))
+        self._write(p, facts, self.mode.writer(self._live, settling=False))
+        self._close(p, facts)
         if not (p.aborted or p.shadow):
             self.mode.backward_returned(self.buckets, averaged=True)
 
@@ -444,7 +448,7 @@ class Engine:
         if exchange.work is not None:
             with self.recorder.waiting("facts"):
                 self._guarded(p, partial(_collective_wait, "the end-of-pass facts exchange", exchange.work.wait))
-        return self.coordinator.observe(exchange.everyone.view(self.world_size, -1), len(self.buckets))
+        return self.coordinator.absorb(exchange.everyone.view(self.world_size, -1), len(self.buckets))
 
     def _defer(self, p: Pass, facts: PassFacts | None, exchange: FactsExchange | None,
                error: SyncError | None = None) -> None:
@@ -496,9 +500,9 @@ class Engine:
         self.failure = error
         raise error
 
-    def _close(self, p: Pass, facts: PassFacts, grads: GradWriter | None) -> None:
-        """After the barrier: the averages into ``grads`` (None: nothing is written), device ordering,
-        late gradients, learning, stats, tracing."""
+    def _write(self, p: Pass, facts: PassFacts, grads: GradWriter | None) -> None:
+        """After the barrier: device ordering, the averages into ``grads`` (None: nothing is written), late
+        gradients (a deferred pass has none: it would not have been deferred) synced again."""
         if self._streams is not None:
             for bucket in self.buckets:
                 torch.cuda.current_stream(bucket.device).wait_event(bucket.done_event)
@@ -506,7 +510,7 @@ class Engine:
         self._write_averages(p, facts, grads)
         if traced is not None:
             self.recorder.add("scatter", "averages", "compute", start, time.monotonic_ns(), traced)
-        late = [b for b, is_late in zip(self.buckets, facts.late) if is_late]
+        late = self._late(facts)
         refused = self.mode.late_gradients(late) if late else None
         if refused is not None:
             self._close_pass(p)
@@ -517,11 +521,17 @@ class Engine:
             bucket.wait_staged()
             if drive(self._default.sync(bucket, self._channels[0], ctx)):
                 grads.scatter(bucket)
-        self.stats.record(self.buckets, [ctx.path for ctx in p.contexts], self.paths, self._default.name, late,
-                          self._facts_bytes)
+
+    def _close(self, p: Pass, facts: PassFacts) -> None:
+        """The pass is written: stats, tracing, the plan of the facts read when it drained, learning (may
+        be collective); the pass ends."""
+        traced = self._traced(p)
+        self.stats.record(self.buckets, [ctx.path for ctx in p.contexts], self.paths, self._default.name,
+                          self._late(facts), self._facts_bytes)
         if traced is not None:
             self._record_pass(p, traced)
         if not facts.aborted:
+            self.coordinator.plan_next()
             if self.mode.pass_closed(facts, self._learned):
                 self._replan()
             self._learn_if_needed()
@@ -534,12 +544,15 @@ class Engine:
             raise SyncError(f"the backward of rank(s) {peers} was aborted (an exception on that rank) in this step: "
                             "no gradient was averaged, local gradients are kept unsynced; skip the step on every rank")
 
+    def _late(self, facts: PassFacts) -> list[Bucket]:
+        return [b for b, is_late in zip(self.buckets, facts.late) if is_late]
+
     def _write_averages(self, p: Pass, facts: PassFacts, grads: GradWriter | None) -> None:
         """What each bucket's path left, into ``grads`` (``.grad``, or where the mode holds a deferred
         pass's gradients; training thread, after every job): sync jobs never write ``.grad``, so nothing
         of a backward that raised can land after the user's ``zero_grad()``; an aborted pass keeps its
         local gradients as unsynced. A bucket that got a gradient late keeps ``.grad`` as it is (its
-        early part averaged without the late one): :meth:`_close` syncs all of it again."""
+        early part averaged without the late one): :meth:`_write` syncs all of it again."""
         for bucket, ctx in zip(self.buckets, p.contexts):
             path = self.paths[ctx.path]
             if grads is None or p.shadow:
@@ -601,14 +614,29 @@ class Engine:
         self.settle(output) if synced else self.drain(output)
 
     def settle(self, output: object = None) -> None:
-        """Drain a deferred pass and close it (stats, tracing, learning: may be collective, so only at
-        points every rank reaches: the end of a synced forward, the next synced pass opening, the
-        optimizer's step)."""
+        """Drain a deferred pass, write it and close it (stats, tracing, the plan, learning: may be
+        collective, so only at points every rank reaches: the end of a synced forward, the next synced pass
+        opening, the optimizer's step)."""
         self.drain(output)
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
-            self._close(deferred.pass_, deferred.facts, self.mode.writer(self._live, settling=True))
+            self._write_deferred(deferred)
+            self._close(deferred.pass_, deferred.facts)
+
+    def flush(self) -> None:
+        """Drain a deferred pass and write its averages where the mode holds them, and no more: its close
+        (the plan, learning) stays where it settles, so what the next forwards read is what they would
+        have read without this call. What an observation of the state needs (a checkpoint, an evaluation);
+        local (no collective: one rank may call it alone)."""
+        self.drain()
+        if self._deferred is not None:
+            self._write_deferred(self._deferred)
+
+    def _write_deferred(self, deferred: Deferred) -> None:
+        if not deferred.written:
+            self._write(deferred.pass_, deferred.facts, self.mode.writer(self._live, settling=True))
             self.mode.settled()
+            deferred.written = True
 
     def backward_raised(self) -> bool:
         """The last synced backward raised: its pass is still open outside any backward (until the next

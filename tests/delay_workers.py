@@ -207,21 +207,38 @@ def checkpoint_resume(rank: int, world_size: int, delay: int, optimizer: str) ->
     return {"straight": straight, "resumed": resumed, "in_flight": in_flight}
 
 
-def checkpointing_keeps_the_trajectory(rank: int, world_size: int, delay: int) -> dict[str, dict]:
-    """8 AdamW steps over a slow link (the coordinator moves the FC layers to SFB after a few passes),
-    twice: straight, and with ``consistency_state_dict()`` after every step (a checkpoint taken while a
-    sync is in flight, training going on): each run's final parameters."""
+#: how each consistency mode is set up for :func:`checkpointing_keeps_the_trajectory`: the wrapper's options
+#: and the optimizer (a ServerOptimizer for a server mode)
+CHECKPOINTED_SETUPS = {
+    "pipe-sgd": ({"delay": 2}, None),
+    "server-lazy-pull": ({}, {"lazy_pull": True}),
+    "server-delay": ({}, {"delay": 1}),
+    "periodic-delay": ({"sync_every": 2, "delay": 1}, None),
+}
+
+
+def checkpointing_keeps_the_trajectory(rank: int, world_size: int, setup: str) -> dict[str, dict]:
+    """8 AdamW steps over a slow link (the coordinator moves the FC layers to SFB after a few passes)
+    under ``setup`` (:data:`CHECKPOINTED_SETUPS`), twice: straight, and with ``consistency_state_dict()``
+    and ``synchronize()`` after every step (a checkpoint taken while a sync is in flight, training going
+    on): each run's final parameters."""
     from patterns import slow_link
 
+    from poseidon_torch import ServerOptimizer
+
+    options, server = CHECKPOINTED_SETUPS[setup]
     spec, runs = ModelSpec(widths=(8, 5)), {}
     for name in ("straight", "checkpointed"):
         model = build(spec, seed=spec.seed)
-        wrapped = PoseidonDDP(model, timeout=60, delay=delay, link=slow_link(), fusion_bytes=0)
-        opt = make_optimizer("adamw", wrapped.parameters())
+        wrapped = PoseidonDDP(model, timeout=60, link=slow_link(), fusion_bytes=0, **options)
+        opt = make_optimizer("adamw", wrapped.parameters()) if server is None else \
+            ServerOptimizer(wrapped, torch.optim.AdamW, lr=0.01, **server)
         for step in range(8):
             _train_step(wrapped, opt, spec, rank, world_size, step)
             if name == "checkpointed":
                 wrapped.consistency_state_dict()
+                wrapped.synchronize()
+        wrapped.synchronize()  # a server mode's last values landed (changes no trajectory: the run ends)
         runs[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
         wrapped.close()
     return runs

@@ -347,6 +347,24 @@ def test_a_resumed_run_continues_bit_for_bit(cluster, path):
             assert torch.equal(a["params"][-1][name], value), (rank, name)
 
 
+def test_a_pipe_sgd_checkpoint_carries_the_plan_its_pass_in_flight_leads_to(cluster):
+    """delay=1, INT8 chosen by cost from the 3rd synced pass on (64 rows per rank: SFB does not pay, as it
+    would at a few rows, and a resumed engine would not carry it: exact, but it rounds otherwise): the checkpoint after step 3 holds pass 3 in flight,
+    whose facts start INT8 for step 4. A checkpoint waits for that pass but leaves its close (the plan) to
+    the next pass, so the state it saves must carry the plan that pass leads to: the resumed run takes
+    INT8 at step 4, as the straight one, and ends bit for bit where it does."""
+    options = {"delay": 1, "fusion_bytes": 0, "link": LinkModel.from_gbps(0.01),
+               "compression": {"int8": {"start_iter": 3}}}
+    straight = cluster.run(cw.train, SPEC, options, 6, 64)
+    resumed = cluster.run(cw.train, SPEC, options, 6, 64, 3)
+    for rank, (a, b) in enumerate(zip(straight, resumed)):
+        # a pass's paths are counted when it closes, in the next step
+        assert "INT8" not in a["outcomes"][3].values() and set(a["outcomes"][4].values()) == {"INT8"}, a["outcomes"]
+        assert b["outcomes"][4] == a["outcomes"][4], (rank, b["outcomes"][4])
+        for name, value in a["params"][-1].items():
+            assert torch.equal(b["params"][-1][name], value), (rank, name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("compression", ["powersgd", "bf16"])
 def test_training_is_deterministic_and_identical_on_every_rank(cluster, compression):

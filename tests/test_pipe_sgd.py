@@ -227,17 +227,15 @@ def test_checkpoint_carries_the_gradients_in_flight(cluster, k, opt):
             assert torch.equal(result["resumed"][name], value), f"rank {rank}: {name} after resuming"
 
 
-@pytest.mark.xfail(strict=True, reason="a checkpoint settles the pass in flight early, so the coordinator "
-                   "learns from it and replans sooner: the layers move to SFB earlier than in a run without the "
-                   "checkpoints, and the trajectories differ by rounding. Fixing it means holding the learning "
-                   "(engine._close: pass_closed / _replan) until the pass's normal close")
-def test_taking_checkpoints_leaves_the_trajectory_unchanged(cluster):
-    """delay=2: consistency_state_dict() after every step (a sync always in flight), training on: the
-    same parameters, bit for bit, as without the checkpoints. (At 2 ranks: at 3 this run shows no
-    difference, so it would pass there and prove nothing.)"""
-    if cluster.world_size != 2:
-        pytest.skip("the difference shows at 2 ranks")
-    for rank, runs in enumerate(cluster.run(dw.checkpointing_keeps_the_trajectory, 2)):
+@pytest.mark.parametrize("setup", sorted(dw.CHECKPOINTED_SETUPS))
+def test_taking_checkpoints_leaves_the_trajectory_unchanged(cluster, setup):
+    """A sync in flight at every step (Pipe-SGD ``delay=2``, a server's ``lazy_pull`` or ``delay=1``,
+    periodic averaging with ``delay=1``): ``consistency_state_dict()`` and ``synchronize()`` after every
+    step, training on, give the same parameters, bit for bit, as without them. On the old code Pipe-SGD's
+    checkpoint closed the pass in flight early: the coordinator planned from its facts before the next
+    forward, which committed the FC layers to SFB a step sooner (the trajectories then differ by rounding;
+    at 2 ranks: at 3 this run happens to round the same)."""
+    for rank, runs in enumerate(cluster.run(dw.checkpointing_keeps_the_trajectory, setup)):
         for name, value in runs["straight"].items():
             assert torch.equal(runs["checkpointed"][name], value), (rank, name)
 

@@ -180,7 +180,7 @@ class Mode:
         return live
 
     def settled(self) -> None:
-        """A deferred pass closed."""
+        """A deferred pass's averages are written (where :meth:`writer` said; its close may come later)."""
 
     def late_gradients(self, late: Sequence[Bucket]) -> SyncError | None:
         """Gradients arrived after ``late``'s jobs: None to average them again through the default path,
