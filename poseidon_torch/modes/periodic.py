@@ -57,6 +57,7 @@ statistics are averaged when the sync lands.
 With ``compression=`` (DiLoCo only: ``options.path``) every bucket of every outer sync takes that lossy
 path (the coordinator routes them all there), whose error feedback carries each rank's rounding of its
 pseudo-gradient into its next round's; local SGD's syncs carry the parameters, which take no residual.
+A world of one sends nothing: its outer syncs stay exact, as ``compression=`` does in every mode.
 """
 from __future__ import annotations
 
@@ -335,7 +336,7 @@ class Periodic(Mode):
     def attach(self, engine: Engine) -> None:
         self.engine = engine
         self._synced = {id(p) for p in engine.params}
-        if self.options.path is not None:
+        if self.options.path is not None and engine.world_size > 1:  # a world of one sends nothing: exact
             engine.coordinator.route_all(self.options.path)
         if self.fragments > 1:  # buckets of 1/(2F) of the model besides their largest layer: F fragments can be cut
             model_bytes = sum(p.numel() * p.element_size() for p in engine.params)
