@@ -239,6 +239,8 @@ def refusals(rank: int, world_size: int) -> dict:
         "two compressions": lambda: wrap(sync_every=2, outer=NESTEROV, compression=["int8", "bf16"]),
         "compression and overrides": lambda: wrap(sync_every=2, outer=NESTEROV, compression="int8", fusion_bytes=0,
                                                   overrides={"head": "allreduce"}),
+        "compression start_iter": lambda: wrap(sync_every=2, outer=NESTEROV,
+                                               compression={"powersgd": {"rank": 1, "start_iter": 10}}),
         "lossy override": lambda: wrap(sync_every=2, fusion_bytes=0, overrides={"head": "BF16"}),
     }
     errors = {case: _error_of(make) for case, make in cases.items()}

@@ -342,6 +342,7 @@ def test_bad_options_and_combinations_are_refused_by_name(cluster):
         "compression with local SGD": ("ValueError", "needs outer= (DiLoCo)"),
         "two compressions": ("ValueError", "every outer sync takes one path"),
         "compression and overrides": ("ValueError", "every outer sync takes the INT8 path"),
+        "compression start_iter": ("ValueError", "start_iter=10 does not apply: every outer sync takes PowerSGD"),
         "lossy override": ("ValueError", "overrides put ['head'] on the lossy path(s) ['BF16']"),
         "ServerOptimizer": ("RuntimeError", "drop sync_every"),
         "join": ("RuntimeError", "join() (uneven inputs) is not supported with sync_every=2"),
