@@ -442,3 +442,18 @@ def test_a_lossy_outer_sync_in_a_world_of_one_is_exact_and_resumes(alone, option
     for name, value in exact["straight"].items():
         assert torch.equal(lossy["straight"][name], value), f"{name}: int8 rounded in a world of one"
         assert torch.equal(lossy["resumed"][name], value), f"{name} differs after resuming"
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp16", "int8"])
+def test_a_non_finite_pseudo_gradient_lands_as_the_exact_sync_lands_it(cluster, compression):
+    """An inf in one rank's round (a diverged replica) makes the outer sync's average non-finite on every
+    rank alike, as the exact sync does (int8: the inf's whole block), and every rank's residuals stay
+    finite (the old ones are kept): the bf16/fp16 casts saturated the inf into a huge finite average, and
+    its rank kept an inf residual that saturated every later sync of that entry."""
+    assert all(not all(r["finite"].values()) for r in cluster.run(pw.non_finite_round, None))  # exact: non-finite
+    results = cluster.run(pw.non_finite_round, compression)
+    for rank, result in enumerate(results):
+        assert not all(result["finite"].values()) and result["finite"] == results[0]["finite"], \
+            f"rank {rank}: {result['finite']}"
+        assert result["residuals"] and all(bool(torch.isfinite(t).all()) for t in result["residuals"].values()), \
+            f"rank {rank}: a residual is not finite"
