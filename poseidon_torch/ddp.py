@@ -284,7 +284,7 @@ class PoseidonDDP(nn.Module, Joinable):
         fusion_bytes = fusion_bytes if ddp.fusion_bytes is None else ddp.fusion_bytes
         lossy = compression_option(compression)
         periodic = periodic_option(sync_every, outer, ddp.buffers_follow_rank0, module.parameters(), delay, fragments,
-                                   tuple(lossy))
+                                   lossy)
         self.options = Options(
             chunk_bytes=option(chunk_bytes, "CHUNK_BYTES", int, DEFAULT_CHUNK_BYTES),
             fusion_bytes=option(fusion_bytes, "FUSION_BYTES", int, DEFAULT_FUSION_BYTES),

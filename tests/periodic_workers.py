@@ -239,6 +239,8 @@ def refusals(rank: int, world_size: int) -> dict:
         "two compressions": lambda: wrap(sync_every=2, outer=NESTEROV, compression=["int8", "bf16"]),
         "compression and overrides": lambda: wrap(sync_every=2, outer=NESTEROV, compression="int8", fusion_bytes=0,
                                                   overrides={"head": "allreduce"}),
+        "compression start_iter": lambda: wrap(sync_every=2, outer=NESTEROV,
+                                               compression={"powersgd": {"rank": 1, "start_iter": 10}}),
         "lossy override": lambda: wrap(sync_every=2, fusion_bytes=0, overrides={"head": "BF16"}),
     }
     errors = {case: _error_of(make) for case, make in cases.items()}
@@ -416,3 +418,21 @@ def lossy_outer_sync(rank: int, world_size: int, compression: str | None, h: int
     plan = set(wrapped.plan.paths().values())
     wrapped.close()
     return {"starts": starts, "pseudo": pseudo, "residuals": residuals, "sent": sent, "plan": plan}
+
+
+def non_finite_round(rank: int, world_size: int, compression: str | None) -> dict:
+    """DiLoCo (H = 2, plain SGD inside) whose rank 1 gets an inf in a parameter after step 3 (a diverged
+    replica): whether each parameter is finite at the end, and this rank's residuals."""
+    model = build(SPEC, seed=0)
+    wrapped = PoseidonDDP(model, timeout=60, sync_every=2, outer=NESTEROV, fusion_bytes=0,
+                          **({"compression": compression} if compression else {}))
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+    _steps(SPEC, wrapped, opt, rank, world_size, 0, 3)
+    if rank == 1:
+        with torch.no_grad():
+            model.body[0].weight.view(-1)[0] = float("inf")
+    _steps(SPEC, wrapped, opt, rank, world_size, 3, 4)
+    paths = wrapped.consistency_state_dict().get("paths", {"ranks": [{}] * world_size})["ranks"][rank]
+    wrapped.close()
+    return {"finite": {n: bool(torch.isfinite(p).all()) for n, p in model.named_parameters()},
+            "residuals": {n: t for kept in paths.values() for n, t in kept.get("residual", {}).items()}}

@@ -527,13 +527,14 @@ def test_a_refused_checkpoint_changes_nothing(cluster):
         assert after.get("coordinator") == before.get("coordinator"), (before, after)
 
 
-@pytest.mark.parametrize("path", ["PowerSGD", "INT8"])
+@pytest.mark.parametrize("path", ["PowerSGD", "INT8", "BF16", "FP16"])
 def test_an_overflowed_step_leaves_the_residuals_as_they_were(cluster, path):
     """An inf in one rank's gradient (an fp16 overflow under GradScaler, which skips that step) gives a
-    non-finite average on every rank for that step only (INT8: the inf's block scale is inf): the
-    residuals (and PowerSGD's warm-start Q) stay as before it, instead of taking inf or NaN and making
-    every later average non-finite (every later step skipped, for good, on the old code). (The bf16/fp16
-    casts saturate instead: finite throughout.)"""
+    non-finite average on every rank for that step only (INT8: the inf's block scale is inf; BF16 / FP16:
+    the inf travels as inf, only finite values saturate): the residuals (and PowerSGD's warm-start Q) stay
+    as before it, instead of taking inf or NaN and making every later average non-finite (every later
+    step skipped, for good, on the old code). The casts saturated the inf too: a finite average that
+    GradScaler did not skip, and an inf residual that saturated every later sync of that entry."""
     for out in cluster.run(cw.overflow_once, LAYERS, path, 5, 2):  # the first pass is exact: no residual yet
         assert out["finite"] == [True, True, False, True, True], out["finite"]
         before, after = out["residuals"]

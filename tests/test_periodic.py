@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import periodic_workers as pw
+from cluster import Cluster
 import training
 from models import ModelSpec, model_specs
 from poseidon_torch.paths import compression_options
@@ -341,6 +342,7 @@ def test_bad_options_and_combinations_are_refused_by_name(cluster):
         "compression with local SGD": ("ValueError", "needs outer= (DiLoCo)"),
         "two compressions": ("ValueError", "every outer sync takes one path"),
         "compression and overrides": ("ValueError", "every outer sync takes the INT8 path"),
+        "compression start_iter": ("ValueError", "start_iter=10 does not apply: every outer sync takes PowerSGD"),
         "lossy override": ("ValueError", "overrides put ['head'] on the lossy path(s) ['BF16']"),
         "ServerOptimizer": ("RuntimeError", "drop sync_every"),
         "join": ("RuntimeError", "join() (uneven inputs) is not supported with sync_every=2"),
@@ -416,3 +418,42 @@ def test_a_lossy_outer_sync_loses_nothing_to_error_feedback(cluster, compression
         rounded |= not torch.allclose(last, torch.stack([r["pseudo"][-1][name] for r in results]).mean(0),
                                       rtol=0, atol=1e-12)
     assert rounded, f"{compression}: every applied average was exact: the lossy path did not run"
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """A world of one rank."""
+    c = Cluster(1)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("options", [{"sync_every": 2}, {"sync_every": 4, "fragments": 2, "delay": 1}],
+                         ids=["H2", "streaming"])
+def test_a_lossy_outer_sync_in_a_world_of_one_is_exact_and_resumes(alone, options):
+    """A world of one has nothing to send, so compression= means the default (exact) path there, as it
+    does in every other mode (docs/compression.md): DiLoCo with int8 trains the same bits as without it,
+    keeps no residuals, and a checkpoint it saved mid-round resumes bit for bit (it was refused: the outer
+    syncs rounded through INT8, saved its residuals, and the load found no lossy path named)."""
+    options = {**options, "outer": NESTEROV, "fusion_bytes": 0}
+    [lossy] = alone.run(pw.checkpoint_resume, {**options, "compression": "int8"}, "adamw", 3, 9)
+    [exact] = alone.run(pw.checkpoint_resume, options, "adamw", 3, 9)
+    assert "paths" not in lossy["saved"]
+    for name, value in exact["straight"].items():
+        assert torch.equal(lossy["straight"][name], value), f"{name}: int8 rounded in a world of one"
+        assert torch.equal(lossy["resumed"][name], value), f"{name} differs after resuming"
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp16", "int8"])
+def test_a_non_finite_pseudo_gradient_lands_as_the_exact_sync_lands_it(cluster, compression):
+    """An inf in one rank's round (a diverged replica) makes the outer sync's average non-finite on every
+    rank alike, as the exact sync does (int8: the inf's whole block), and every rank's residuals stay
+    finite (the old ones are kept): the bf16/fp16 casts saturated the inf into a huge finite average, and
+    its rank kept an inf residual that saturated every later sync of that entry."""
+    assert all(not all(r["finite"].values()) for r in cluster.run(pw.non_finite_round, None))  # exact: non-finite
+    results = cluster.run(pw.non_finite_round, compression)
+    for rank, result in enumerate(results):
+        assert not all(result["finite"].values()) and result["finite"] == results[0]["finite"], \
+            f"rank {rank}: {result['finite']}"
+        assert result["residuals"] and all(bool(torch.isfinite(t).all()) for t in result["residuals"].values()), \
+            f"rank {rank}: a residual is not finite"

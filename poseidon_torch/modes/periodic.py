@@ -57,6 +57,7 @@ statistics are averaged when the sync lands.
 With ``compression=`` (DiLoCo only: ``options.path``) every bucket of every outer sync takes that lossy
 path (the coordinator routes them all there), whose error feedback carries each rank's rounding of its
 pseudo-gradient into its next round's; local SGD's syncs carry the parameters, which take no residual.
+A world of one sends nothing: its outer syncs stay exact, as ``compression=`` does in every mode.
 """
 from __future__ import annotations
 
@@ -115,11 +116,12 @@ class PeriodicOptions:
 
 
 def periodic_option(sync_every: object, outer: object, average_buffers: bool, params: Iterable[nn.Parameter],
-                    delay: object = 0, fragments: object = 1, compression: Sequence[str] = ()
+                    delay: object = 0, fragments: object = 1, compression: Mapping[str, Mapping[str, Any]] | None = None
                     ) -> PeriodicOptions | None:
     """The options checked (None: not periodic; ``delay`` is then Pipe-SGD's, checked elsewhere). The outer
     optimizer is built once over ``params``, so arguments it refuses are refused here, on every rank, before
-    any collective. ``compression``: the lossy paths ``compression=`` names (checked), at most one here."""
+    any collective. ``compression``: the lossy paths ``compression=`` names with their settings (checked),
+    at most one here."""
     if sync_every is None:
         if outer is not None or fragments != 1:
             raise ValueError(f"PoseidonDDP option {'outer' if outer is not None else 'fragments'} (periodic averaging) "
@@ -140,7 +142,7 @@ def periodic_option(sync_every: object, outer: object, average_buffers: bool, pa
                          f"must land before the next one is sent, {spacing} step(s) later, so delay (the inner steps it "
                          f"stays in flight) must be at most {spacing}")
     cls, kwargs = _outer_parts(outer)
-    path = _sync_path(sync_every, cls, compression)
+    path = _sync_path(sync_every, cls, compression or {})
     options = PeriodicOptions(sync_every, cls, tuple(sorted(kwargs.items())), average_buffers, delay, fragments, path)
     if cls is not None:
         try:
@@ -150,11 +152,14 @@ def periodic_option(sync_every: object, outer: object, average_buffers: bool, pa
     return options
 
 
-def _sync_path(sync_every: int, outer_class: type[Optimizer] | None, compression: Sequence[str]) -> str | None:
+def _sync_path(sync_every: int, outer_class: type[Optimizer] | None, compression: Mapping[str, Mapping[str, Any]]
+               ) -> str | None:
     """The lossy path of the outer syncs (None: exact): only DiLoCo's pseudo-gradients, which error
     feedback carries from one round to the next as it carries gradients from one step to the next; local
     SGD's syncs carry the parameters themselves, which no residual may be added to (``outer=(SGD, {"lr":
-    1.0})`` is local SGD on pseudo-gradients)."""
+    1.0})`` is local SGD on pseudo-gradients). Every outer sync takes the path, the first one too, so a
+    ``start_iter`` other than the path's default (the passes the coordinator waits before choosing it by
+    cost) is refused rather than ignored."""
     if not compression:
         return None
     if outer_class is None:
@@ -164,7 +169,13 @@ def _sync_path(sync_every: int, outer_class: type[Optimizer] | None, compression
     if len(compression) != 1:
         raise ValueError(f"compression={list(compression)} with sync_every={sync_every}: every outer sync takes one path "
                          "(the coordinator's per-layer choice costs gradients every step, not a sync every H): name one")
-    return compression[0]
+    [(path, settings)] = compression.items()
+    start_iter = settings.get("start_iter", path_class(path).defaults["start_iter"])
+    if start_iter != path_class(path).defaults["start_iter"]:
+        raise ValueError(f"compression= setting start_iter={start_iter} does not apply: every outer sync takes {path} "
+                         f"with sync_every={sync_every}, the first one too; drop start_iter (to keep the first outer "
+                         "syncs exact, train them without compression= and resume with it)")
+    return path
 
 
 def _outer_parts(outer: object) -> tuple[type[Optimizer] | None, dict[str, Any]]:
@@ -335,7 +346,7 @@ class Periodic(Mode):
     def attach(self, engine: Engine) -> None:
         self.engine = engine
         self._synced = {id(p) for p in engine.params}
-        if self.options.path is not None:
+        if self.options.path is not None and engine.world_size > 1:  # a world of one sends nothing: exact
             engine.coordinator.route_all(self.options.path)
         if self.fragments > 1:  # buckets of 1/(2F) of the model besides their largest layer: F fragments can be cut
             model_bytes = sum(p.numel() * p.element_size() for p in engine.params)

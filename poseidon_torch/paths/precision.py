@@ -4,8 +4,10 @@ the chunk owners, aggregate, pull), in bf16 or fp16 instead of the bucket's dtyp
 error feedback at both ends, as DoubleSqueeze, Tang et al. 2019, compensates worker and server).
 
 One sync, with M = gradient + residual per parameter (``lossy.py``) and P ranks:
-- every rank casts M to the wire dtype (saturating at its largest finite value, so an fp16 overflow
-  stays in the residual instead of becoming inf) and pushes each chunk's part to its owner;
+- every rank casts M to the wire dtype (a finite value beyond its largest finite one saturates there,
+  the excess staying in the residual; an inf stays inf, so the average is non-finite on every rank: a
+  step GradScaler skips, whose residuals stay as they were, ``lossy.py``) and pushes each chunk's part
+  to its owner;
 - an owner sums the P parts of its chunk in fp32 (fp64 for an fp64 bucket), in rank order, divides by P, casts the mean to the
   wire dtype and pulls it to every rank: every rank applies
 
@@ -98,7 +100,7 @@ class CastPath(LossyPath):
         m = self.with_residuals(bucket, ctx)
         gradients = wire.buffer[:bucket.grad_numel]
         limit = torch.finfo(self.wire_dtype).max
-        gradients.copy_(m.clamp(-limit, limit))
+        gradients.copy_(torch.where(m.isinf(), m, m.clamp(-limit, limit)))  # an inf (an overflow) stays inf
         m -= gradients  # the new residuals: what the cast dropped
         wire.buffer[bucket.grad_numel:].copy_(bucket.flat[bucket.grad_numel:])
         yield "network"
@@ -135,8 +137,8 @@ class BF16Path(CastPath):
 
 
 class FP16Path(CastPath):
-    """float16 on the wire: 11 bits of mantissa, values beyond 65504 saturate (the excess stays in the
-    residual)."""
+    """float16 on the wire: 11 bits of mantissa, finite values beyond 65504 saturate (the excess stays in
+    the residual)."""
 
     name = "FP16"
     option = "fp16"
