@@ -4,27 +4,40 @@ At the end of every synced backward the ranks all-gather a small vector of *fact
 aborted flag, which buckets got a gradient late, and per FC layer its rows K this round and its sticky
 flags, see :mod:`~poseidon_torch.fc`). From them every rank computes the same plan for the next pass: a
 layer alone in its bucket leaves the default path when an override forces another one, or when a path
-chosen by cost (``Path.by_cost``) is predicted cheaper: for an FC layer no rank raised a sticky flag on,
-a factor path at the largest K; with ``PoseidonDDP(compression=...)``, for any layer, the lossy paths it
-names (``lossy``), each from its ``start_iter``-th synced pass on. Without ``compression=`` no lossy path
-is ever chosen by cost. The first pass runs every layer on the default path: it is when the sticky
-facts are learned.
+chosen by cost (``Path.by_cost``) syncs it faster than the default path: for an FC layer no rank raised
+a sticky flag on, a factor path at the largest K (the fastest exact path is taken); with
+``PoseidonDDP(compression=...)``, for any layer, the lossy paths it names (``lossy``), each from its
+``start_iter``-th synced pass on, taken only where they also shorten the predicted iteration (below).
+Without ``compression=`` no lossy path is ever chosen by cost. The first pass runs every layer on the
+default path: it is when the sticky facts and the readiness times are learned.
 
 Cost model: every registered path predicts its bytes per rank and seconds per pass on this
 implementation's traffic (``Path.predict``: the formulas the stats, the simulator and the benchmark
-share). The choice charges the default path only its bytes while the buckets are not learned (on it a
-layer can share a bucket, and its messages, with its neighbours; on a path of its own it is a job of its
-own), and its whole cost once they are. With ``pull_values`` (a mode that updates at the owners) a path
-that does not reduce at the owners is charged the owners' pull of the new values too. A lossy path's
-prediction includes its compression and decompression compute (at the probed GEMM rate and memory
-bandwidth, ``memory_bps``). Invariants: a factor path is only ever chosen for a layer that can take it
-exactly; a path is chosen by cost only where its prediction is below the default path's (as charged)
-and every other candidate's; a lossy path only where ``compression=`` names it; the plan depends only on
-facts every rank shares.
+share). A sync's prediction charges the default path only its bytes while the buckets are not learned
+(on it a layer can share a bucket, and its messages, with its neighbours; on a path of its own it is a
+job of its own), and its whole cost once they are. With ``pull_values`` (a mode that updates at the
+owners) a path that does not reduce at the owners is charged the owners' pull of the new values too. A
+lossy path's prediction includes its compression and decompression compute (at the probed GEMM rate and
+memory bandwidth, ``memory_bps``).
+
+One model of the iteration: a lossy path sends less but computes more, which pays only where the sync
+is exposed. So the lossy candidates are weighed by the iteration they give, in the simulator's
+timeline (:func:`~poseidon_torch.simulate.timeline.fastest`, which the simulator's ``poseidon+...``
+schemes call too): every layer's backward on one compute lane, timed by the readiness of the pass the
+buckets were first learned from (rank 0's, shared; or a checkpoint's), each layer's sync a job on the
+link once ready (its exact path's, or a lossy one), a path's compute on the compute lane; BSP, or a
+pipeline for a mode whose syncs overlap the next step (``pipelined``). Until the buckets are learned a
+lossy path waits; the plan made then is made again once they are.
+
+Invariants: a factor path is only ever chosen for a layer that can take it exactly; a path is chosen by
+cost only where its sync is predicted faster than the default path's (as charged); a lossy path only
+where ``compression=`` names it, the iteration is modelled and the plan's predicted iteration is
+shorter than with the layer on its exact path; the plan depends only on facts every rank shares.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from collections.abc import Collection, Mapping, Sequence
@@ -38,6 +51,8 @@ from .fc import STICKY_NAMES, FCLayer, fc_eligible
 from .link import LinkModel
 from .paths import BucketCost, FCCost, Path, Paths, Prediction
 from .paths import names as path_names
+from .simulate.profile import LayerProfile, Profile
+from .simulate.timeline import Job, fastest
 
 
 @dataclass(frozen=True)
@@ -84,7 +99,8 @@ class Coordinator:
 
     def __init__(self, fc: Mapping[str, FCLayer], world_size: int, link: LinkModel, gemm_flops: float | None,
                  overrides: Mapping[str, str] | None = None, paths: Mapping[str, Path] | None = None,
-                 layers: Sequence[Layer] = (), lossy: Collection[str] = (), memory_bps: float | None = None) -> None:
+                 layers: Sequence[Layer] = (), lossy: Collection[str] = (), memory_bps: float | None = None,
+                 pipelined: bool = False) -> None:
         self.fc = dict(sorted(fc.items()))
         self.world_size, self.link, self.gemm_flops = world_size, link, gemm_flops
         self.memory_bps = memory_bps
@@ -104,6 +120,13 @@ class Coordinator:
         #: layers whose lossy path won by cost but may not start yet (``start_iter``): kept alone in a bucket
         self.waiting: dict[str, str] = {}
         self.solo: set[str] = set()  #: layers that have a bucket of their own
+        #: per layer, seconds from the start of backward to its gradients' readiness in the pass the buckets
+        #: were first learned from (rank 0's, shared), or a checkpoint's: the iteration model's compute lane
+        self.ready_s: dict[str, float] | None = None
+        self._planned_blind = False  #: the current plan was made before the iteration could be modelled
+        self._last_timed: tuple[tuple, list[Job]] | None = None  #: the last timed plan's options and result
+        #: the mode's syncs overlap the next step (Pipe-SGD): plans are timed as a pipeline, not BSP
+        self.pipelined = pipelined
         self.routed: str | None = None  #: the path every bucket takes, whatever the plan (:meth:`route_all`)
         self.learned = False         #: the buckets are learned (fixed from now on)
         self.passes = 0              #: synced passes observed
@@ -132,9 +155,23 @@ class Coordinator:
         self.routed = path
         self.overrides, self.chosen, self.waiting, self.compressible = {}, {}, {}, []
 
-    def buckets_changed(self, solo: set[str], learned: bool) -> None:
-        """The engine installed new buckets: ``solo`` layers have one of their own."""
-        self.solo, self.learned = solo, learned
+    def buckets_changed(self, buckets: Sequence[Bucket], learned: bool,
+                        ready_s: Mapping[str, float] | None = None) -> None:
+        """The engine installed new ``buckets`` (in sync order), learned (from a pass whose layers'
+        gradients were ready at ``ready_s``, seconds from the start of its backward) or not yet. The first
+        readiness times (or a checkpoint's) are kept for the run, so the plan never depends on a later
+        pass's timing. Once the iteration can be modelled, a plan made without the model (its lossy
+        layers waiting for it) is made again, its exact paths kept: the forwards of the next pass may
+        have committed to a factor path."""
+        self.learned = learned
+        self.solo = {b.layers[0].name for b in buckets if len(b.layers) == 1}
+        if ready_s is not None and self.ready_s is None:
+            self.ready_s = dict(ready_s)
+        if self._planned_blind and self._modelled() and not self._plan_due:
+            chosen, self.waiting = self._plan()
+            kept = {name: path for name, path in self.chosen.items() if self.paths[path].exact}
+            self.chosen = {**{name: path for name, path in chosen.items() if name not in kept}, **kept}
+            self._planned_blind = False
 
     def wanted_solo(self) -> set[str]:
         """Layers that should get a bucket of their own: off the default path (or waiting to leave it), or
@@ -216,38 +253,45 @@ class Coordinator:
         if self._plan_due:
             self.chosen, self.waiting = self._plan()
             self._plan_due = False
+            self._planned_blind = not self._modelled()
 
     def _plan(self) -> tuple[dict[str, str], dict[str, str]]:
         """Every layer's path off the default one, and the layers waiting for a lossy path: as forced, or
-        chosen by cost (FC layers, and the layers a named lossy path could take); a lossy path chosen by
-        cost waits for its ``start_iter``, and until then the layer takes the best path that has started
-        (an FC layer keeps SFB where it pays)."""
+        chosen by cost (FC layers, and the layers a named lossy path could take) among the paths that sync
+        them faster than the default path, where they shorten the predicted iteration (:meth:`_fastest`);
+        a lossy path waits for its ``start_iter`` and for the iteration model (the buckets learned), and
+        until then the layer takes the best path that has started (an FC layer keeps SFB where it pays)."""
         chosen = {name: path for name, path in self.overrides.items()
                   if path != self.default and not self.paths[path].factors}
-        waiting = {}
+        waiting, cheaper = {}, {}
         for name in dict.fromkeys((*self.fc, *self.compressible)):
-            if name in chosen:
+            if name in chosen or not self._may_leave_default(name):
                 continue
-            path = self._choose(name)
-            if path is not None and not self._started(path):
-                waiting[name] = path
-                path = self._choose(name, started_only=True)
-            if path is not None:
-                chosen[name] = path
-        return chosen, waiting
+            forced = self.overrides.get(name)
+            if forced is not None:
+                chosen[name] = forced
+                continue
+            paths = self._cheaper(name)
+            if paths and not self._started(paths[0][0]):
+                waiting[name] = paths[0][0]
+            started = [(path, predicted) for path, predicted in paths if self._started(path)]
+            if started:
+                cheaper[name] = started
+        return {**chosen, **self._fastest(cheaper)}, waiting
 
     def _started(self, path: str) -> bool:
         """Whether ``path`` may carry a layer chosen by cost this pass: an exact one always, a lossy one
-        from its ``start_iter``-th synced pass on."""
-        return self.paths[path].exact or self.passes >= self.paths[path].start_iter
+        from its ``start_iter``-th synced pass on, once the iteration can be modelled (never chosen
+        unmodelled: a lossy path costs compute, which only the iteration shows to pay or not)."""
+        return self.paths[path].exact or (self.passes >= self.paths[path].start_iter and self._modelled())
 
     def _barred(self, name: str, path: str) -> bool:
         """A sticky fact keeps FC layer ``name`` off factor paths for good."""
         return self.paths[path].factors and bool(self.sticky.get(name))
 
-    def _choose(self, name: str, started_only: bool = False) -> str | None:
-        """Layer ``name``'s path off the default one for the next pass, or None; with ``started_only``,
-        among the paths that have started (:meth:`_started`)."""
+    def _may_leave_default(self, name: str) -> bool:
+        """Whether layer ``name`` may leave the default path in the next pass: alone in its bucket, not
+        forced onto the default path, not forced onto a factor path a sticky fact bars (warned once)."""
         forced = self.overrides.get(name)
         if forced is not None and self._barred(name, forced):
             if name not in self._warned:
@@ -255,26 +299,79 @@ class Coordinator:
                 reasons = ", ".join(text for bit, text in STICKY_NAMES.items() if self.sticky[name] & bit)
                 warnings.warn(f"PoseidonDDP: layer {name!r} stays on the {self.default} path despite overrides="
                               f"{{'{name}': '{forced}'}}: {forced} would not be exact ({reasons})", stacklevel=2)
-            return None
-        if name not in self.solo or forced == self.default:
-            return None
-        if forced is not None:
-            return forced
-        fc = self.fc.get(name)
-        params = fc.params if fc is not None else _params(self.layers[name])
+            return False
+        return name in self.solo and forced != self.default
+
+    def _cheaper(self, name: str) -> list[tuple[str, Prediction]]:
+        """The candidate paths (:meth:`candidates`) that sync layer ``name`` alone in its bucket faster
+        than the default path, fastest first, with their predictions. Before the buckets are learned, a
+        layer on the default path may still join its neighbours' bucket and share their messages: the
+        default is charged only its bytes; once they are learned (fixed), a layer alone in its bucket pays
+        the latency on any path."""
+        params = self._layer_params(name)
         nbytes = flat_numel(sum(p.numel() for p in params), len(params)) * params[0].element_size()  # its bucket's
-        # before the buckets are learned, a layer on the default path may still join its neighbours' bucket
-        # and share their messages: count only its bytes; once they are learned (fixed), a layer alone in its
-        # bucket pays the latency on any path
-        default = self._predict(self.paths[self.default], nbytes, params, fc)
-        best, best_seconds = None, default.seconds if self.learned else self.link.beta_s_per_byte * default.bytes
+        default = self._predict(self.paths[self.default], nbytes, params, self.fc.get(name))
+        limit = default.seconds if self.learned else self.link.beta_s_per_byte * default.bytes
+        cheaper = []
         for path in self.candidates(name):
-            if started_only and not self._started(path.name):
-                continue
-            predicted = self._predict(path, nbytes, params, fc)
-            if predicted is not None and predicted.seconds < best_seconds:
-                best, best_seconds = path.name, predicted.seconds
-        return best
+            predicted = self._predict(path, nbytes, params, self.fc.get(name))
+            if predicted is not None and predicted.seconds < limit:
+                cheaper.append((path.name, predicted))
+        return sorted(cheaper, key=lambda chosen: chosen[1].seconds)
+
+    def _layer_params(self, name: str) -> list[nn.Parameter]:
+        fc = self.fc.get(name)
+        return fc.params if fc is not None else _params(self.layers[name])
+
+    def _modelled(self) -> bool:
+        """Whether the iteration can be modelled: the buckets are learned, and the readiness times known."""
+        return self.learned and self.ready_s is not None
+
+    def _fastest(self, cheaper: Mapping[str, list[tuple[str, Prediction]]]) -> dict[str, str]:
+        """Per layer with ``cheaper`` paths, the one it takes: the fastest exact one's (by its sync), unless
+        a lossy one shortens the predicted iteration (:func:`~poseidon_torch.simulate.timeline.fastest`, the
+        simulator's model: the layers' backward on one compute lane, timed by the readiness the buckets
+        were learned from, each layer's sync a job on the link, a path's compute on the compute lane)."""
+        exact = {name: next((path for path, _ in paths if self.paths[path].exact), self.default)
+                 for name, paths in cheaper.items()}
+        lossy = {name: [(path, predicted) for path, predicted in paths if not self.paths[path].exact]
+                 for name, paths in cheaper.items()}
+        plan = dict(exact)
+        if self._modelled() and any(lossy.values()):
+            profile, layers = self._iteration_profile()
+            options = []
+            for i, name in enumerate(layers):
+                params = self._layer_params(name)
+                nbytes = flat_numel(sum(p.numel() for p in params), len(params)) * params[0].element_size()
+                base = exact.get(name, self.default)
+                options.append([_job(name, i, base, self._predict(self.paths[base], nbytes, params, self.fc.get(name))),
+                                *(_job(name, i, path, predicted) for path, predicted in lossy.get(name, ()))])
+            plan.update((name, job.path) for name, job in zip(layers, self._timed_plan(profile, options)))
+        return {name: path for name, path in plan.items() if path != self.default}
+
+    def _timed_plan(self, profile: Profile, options: list[list[Job]]) -> list[Job]:
+        """:func:`~poseidon_torch.simulate.timeline.fastest` of ``options``, remembered for the next pass:
+        a few hundred layers cost it a few tenths of a second, and the options change only with a path's
+        start, an FC layer's K or a sticky fact (the profile only with a checkpoint's readiness)."""
+        key = profile, tuple(map(tuple, options))
+        if self._last_timed is None or self._last_timed[0] != key:
+            self._last_timed = key, fastest(profile, options, self.pipelined)
+        return self._last_timed[1]
+
+    def _iteration_profile(self) -> tuple[Profile, list[str]]:
+        """Every layer with parameters as the timeline's compute lane, in the order they became ready,
+        each the backward seconds since the one before; and their names in that order. Per layer, not
+        per bucket: the readiness times a checkpoint carries then give the same plan whatever buckets
+        a resumed run learns (a fused layer is charged a job's latency of its own)."""
+        end = max(self.ready_s.values(), default=0.0)
+        ready = {name: self.ready_s.get(name, end) for name in self.layers}
+        names = sorted(self.layers, key=lambda name: ready[name])
+        steps, last = [], 0.0
+        for name in names:
+            steps.append(LayerProfile(name, self.layers[name].nbytes, max(0.0, ready[name] - last)))
+            last = max(last, ready[name])
+        # a backward the clock could not see (0 s) still runs: a nanosecond keeps the profile valid
+        return Profile(tuple(steps), forward_s=1e-9), names
 
     def candidates(self, name: str) -> list[Path]:
         """The paths layer ``name`` may be put on by cost: the exact ones chosen by cost (factor paths
@@ -301,26 +398,32 @@ class Coordinator:
 
     def state_dict(self) -> dict:
         """With a lossy path named or forced: the synced passes so far (each path's ``start_iter`` counts
-        them) and the layers on a lossy path, which a resumed engine's first pass keeps there (empty
+        them), the layers on a lossy path, which a resumed engine's first pass keeps there, and the
+        readiness times the plans are modelled with, so a resumed run plans as the saved one would (empty
         otherwise: exact paths need nothing). A plan still due (a pass settled early, for a checkpoint) is
         the one the next pass takes: its lossy layers are saved, and it stays due."""
         chosen = self._plan()[0] if self._plan_due else self.chosen
         lossy = {name: path for name, path in chosen.items() if not self.paths[path].exact}
         if not (lossy or self.lossy):
             return {}
-        return {"passes": self.passes, "lossy": lossy}
+        state = {"passes": self.passes, "lossy": lossy}
+        if self.ready_s is not None:
+            state["ready_s"] = dict(self.ready_s)
+        return state
 
     def load_state_dict(self, state: object) -> None:
         """Restore :meth:`state_dict` before the first pass (the layers it names are alone in a bucket)."""
         lossy = self.checked_state(state)
         self.passes = int(state.get("passes", 0))
         self.chosen.update({name: path for name, path in lossy.items() if name in self.solo})
+        if "ready_s" in state:
+            self.ready_s = dict(state["ready_s"])
 
     def checked_state(self, state: object) -> dict[str, str]:
         """The lossy layers of a :meth:`state_dict`, checked (changes nothing: a refusal comes before any
         part of a consistency state is loaded)."""
-        if not isinstance(state, Mapping) or set(state) - {"passes", "lossy"}:
-            raise ValueError(f"not a coordinator state (a dict of 'passes' and 'lossy'): {state!r:.80}")
+        if not isinstance(state, Mapping) or set(state) - {"passes", "lossy", "ready_s"}:
+            raise ValueError(f"not a coordinator state (a dict of 'passes', 'lossy' and 'ready_s'): {state!r:.80}")
         lossy = dict(state.get("lossy", {}))
         for name, path in lossy.items():
             if name not in self.layers or path not in self.paths or self.paths[path].exact:
@@ -328,6 +431,12 @@ class Coordinator:
             if path not in self.lossy and self.overrides.get(name) != path:
                 raise ValueError(f"the checkpoint puts layer {name!r} on the lossy path {path!r}, which this PoseidonDDP "
                                  "neither names in compression= nor forces: resume with compression= as when saved")
+        ready = state.get("ready_s", {})
+        if not (isinstance(ready, Mapping) and all(
+                name in self.layers and isinstance(t, (int, float)) and math.isfinite(t) and t >= 0
+                for name, t in ready.items())):
+            raise ValueError(f"the checkpoint's readiness times (ready_s) must map this model's layers to seconds "
+                             f">= 0, got {ready!r:.80}")
         return lossy
 
     # ---- the printable plan ---------------------------------------------------------------------
@@ -359,6 +468,11 @@ class Coordinator:
 
 def _params(layer: Layer) -> list[torch.nn.Parameter]:
     return [p for _, p in layer.params]
+
+
+def _job(bucket: str, after: int, path: str, predicted: Prediction) -> Job:
+    """A bucket's sync on ``path`` as the timeline's job: its link part, and its compute on the compute lane."""
+    return Job(bucket, after, predicted.seconds - predicted.compute_s, predicted.bytes, path, predicted.compute_s)
 
 
 @dataclass(frozen=True)

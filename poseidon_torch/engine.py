@@ -162,7 +162,8 @@ class Engine:
                                          torch.device("cpu") if staged else device, settings=compression))
         self._default = self.paths.default  #: late gradients are synced again through it; the core runs it
         self.coordinator = Coordinator(self.fc, self.world_size, link, gemm_flops, overrides, self.paths,
-                                       layers=self.layers, lossy=tuple(compression), memory_bps=memory_bps)
+                                       layers=self.layers, lossy=tuple(compression), memory_bps=memory_bps,
+                                       pipelined=mode.barrier_free)
         self._streams = StreamPool(device, len(self._channels)) if device.type == "cuda" else None
         self._lanes = [f"channel-{i}" for i in range(len(self._channels))]
         make = NativeCore if native and device.type == "cpu" else PythonCore
@@ -212,9 +213,10 @@ class Engine:
     def _fc_of(self, layer: Layer) -> FCLayer | None:
         return self.fc.get(layer.name)
 
-    def _install(self, buckets: list[Bucket]) -> None:
-        """Make ``buckets`` current: the paths' plans, the mode's, the core's slots and channel schedules
-        (between passes only). Dirty flags carry over."""
+    def _install(self, buckets: list[Bucket], ready_s: dict[str, float] | None = None) -> None:
+        """Make ``buckets`` current (learned from a pass whose layers' gradients were ready at ``ready_s``,
+        or not learned): the coordinator's, the paths' plans, the mode's, the core's slots and channel
+        schedules (between passes only). Dirty flags carry over."""
         old = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
         for bucket in buckets:
             for j, p in enumerate(bucket.params):
@@ -227,7 +229,7 @@ class Engine:
         self._fc_bucket = {b.fc.name: b for b in buckets if b.fc is not None}
         for name, layer in self.fc.items():
             layer.watching = name in self._fc_bucket
-        self.coordinator.buckets_changed({b.layers[0].name for b in buckets if len(b.layers) == 1}, self._learned)
+        self.coordinator.buckets_changed(buckets, self._learned, ready_s)
         for path in self.paths.values():
             path.prepare(buckets)
         self.mode.buckets_changed(buckets)
@@ -808,7 +810,7 @@ class Engine:
             else self._default.job_cost(self.link)
         groups = group_layers(layers, self.fusion_bytes, self.coordinator.wanted_solo(), ready_s, cost)
         self._learned = True
-        self._install(build_buckets(groups, self.staged, self._fc_of))
+        self._install(build_buckets(groups, self.staged, self._fc_of), ready_s)
 
     def _job_cost(self, seconds: list[float]) -> JobCost:
         """Seconds per sync job of a bucket of n bytes, fitted (Theil-Sen) to what this pass's jobs

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from poseidon_torch import link as link_module
-from poseidon_torch.bucket import JobCost
+from poseidon_torch.bucket import Bucket, JobCost, Layer
 from poseidon_torch.coordinator import Coordinator
 from poseidon_torch.fc import CHECKPOINTED, HOOKED, FCLayer, fc_spec
 from poseidon_torch.link import LinkModel, fit_link, probe_gemm_flops, probe_link
@@ -59,6 +59,12 @@ def coordinator(world_size: int = 4, overrides=None, **shapes) -> Coordinator:
     c = Coordinator(fc, world_size, GIGABIT, GEMM_FLOPS, overrides)
     c.solo = set(fc)
     return c
+
+
+def alone(fc: dict[str, FCLayer]) -> list[Bucket]:
+    """Every FC layer in a bucket of its own."""
+    return [Bucket(i, [Layer(name, layer.module, tuple(layer.module.named_parameters()))])
+            for i, (name, layer) in enumerate(fc.items())]
 
 
 def facts(c: Coordinator, per_rank: list[dict[str, tuple[int, int]]], aborted=(), buckets: int = 0) -> torch.Tensor:
@@ -272,10 +278,10 @@ def test_a_layer_alone_in_a_learned_bucket_is_charged_the_latency_on_ps():
     slow_start = LinkModel(2e-3, GIGABIT.beta_s_per_byte)  # 2 ms per message
     fc = layers(("head", 10, 1024))
     c = Coordinator(fc, 2, slow_start, GEMM_FLOPS)
-    c.buckets_changed({"head"}, learned=False)
+    c.buckets_changed(alone(fc), learned=False)
     c.observe(facts(c, [{"head": (32, 0)}] * 2), 0)
     assert c.on("SFB") == set()
-    c.buckets_changed({"head"}, learned=True)
+    c.buckets_changed(alone(fc), learned=True)
     c.observe(facts(c, [{"head": (32, 0)}] * 2), 0)
     assert c.on("SFB") == {"head"}
 

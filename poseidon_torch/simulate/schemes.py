@@ -8,13 +8,15 @@ what it costs. The timeline (:mod:`.timeline`) is the same for all of them.
 - ``wfbp``: our PS path per bucket as soon as the bucket is ready (the traced run's buckets, one per
   layer for a profile without them);
 - ``poseidon``: WFBP plus the coordinator's per-layer choice at that number of machines: a layer for
-  which a path chosen by cost (``Path.by_cost``, e.g. SFB for an FC layer) is predicted cheaper than
-  the default path takes that path as a job of its own (SFB's cost grows with the machines, PS's does
-  not); its link part uses the link, its compute part (SFB's rebuild GEMM) the compute lane (it runs
-  on the same cores or GPU as the backward);
+  which a path chosen by cost (``Path.by_cost``, e.g. SFB for an FC layer) is predicted to sync faster
+  than the default path is a job of its own and takes the fastest such exact path (SFB's cost grows
+  with the machines, PS's does not); its link
+  part uses the link, its compute part (SFB's rebuild GEMM) the compute lane (it runs on the same cores
+  or GPU as the backward);
 - ``poseidon+int8``, ``poseidon+bf16``, ``poseidon+fp16``: ``PoseidonDDP(compression=...)``: the same
   choice with that lossy path among the candidates, costed as the coordinator costs it (its bytes, and
-  its compression compute at the profile's memory bandwidth, on the compute lane); without a memory
+  its compression compute at the profile's memory bandwidth, on the compute lane), a layer going on it
+  only where that shortens the predicted iteration (:func:`~.timeline.fastest`); without a memory
   bandwidth in the profile no lossy path can be costed and the scheme is ``poseidon``. (PowerSGD needs
   each tensor's shape, which a profile does not hold: not offered);
 - ``<scheme>+delay``: Pipe-SGD (``delay >= 1``): the same jobs, overlapping the next iteration.
@@ -30,7 +32,7 @@ from ..bucket import flat_numel
 from ..link import LinkModel
 from ..paths import BucketCost, FCCost, Paths, Prediction, compression_options
 from .profile import LayerProfile, Profile
-from .timeline import Job, Timeline, bsp, pipelined
+from .timeline import Job, Timeline, bsp, fastest, pipelined
 
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 DDP_BUCKET_BYTES = 25 << 20
@@ -40,23 +42,24 @@ PATHS = Paths.for_costing()
 
 
 class Scheme:
-    """The jobs of one iteration at ``hosts`` machines (none on one machine), timed under BSP."""
+    """The jobs of one iteration at ``hosts`` machines (none on one machine), timed under BSP (or
+    pipelined: ``jobs`` is told, for a scheme that chooses its paths by the iteration's time)."""
 
     name = ""
     pipelined = False
 
-    def jobs(self, profile: Profile, hosts: int, link: LinkModel) -> list[Job]:
+    def jobs(self, profile: Profile, hosts: int, link: LinkModel, pipelined_steps: bool = False) -> list[Job]:
         raise NotImplementedError
 
     def run(self, profile: Profile, hosts: int, link: LinkModel, slowdown: float = 1.0) -> Timeline:
-        jobs = self.jobs(profile, hosts, link) if hosts > 1 else []
+        jobs = self.jobs(profile, hosts, link, self.pipelined) if hosts > 1 else []
         return (pipelined if self.pipelined else bsp)(profile, jobs, slowdown)
 
 
 class TorchDDP(Scheme):
     name = "ddp"
 
-    def jobs(self, profile: Profile, hosts: int, link: LinkModel) -> list[Job]:
+    def jobs(self, profile: Profile, hosts: int, link: LinkModel, pipelined_steps: bool = False) -> list[Job]:
         jobs, bucket, size, cap = [], [], 0, DDP_FIRST_BUCKET_BYTES
         for index, layer in enumerate(profile.layers):
             bucket.append(layer.name)
@@ -71,7 +74,7 @@ class TorchDDP(Scheme):
 class PlainPS(Scheme):
     name = "ps"
 
-    def jobs(self, profile: Profile, hosts: int, link: LinkModel) -> list[Job]:
+    def jobs(self, profile: Profile, hosts: int, link: LinkModel, pipelined_steps: bool = False) -> list[Job]:
         last = len(profile.layers) - 1
         return [_ps_job([layer], last, hosts, profile.element_size, link) for layer in profile.layers]
 
@@ -79,60 +82,64 @@ class PlainPS(Scheme):
 class WFBP(Scheme):
     name = "wfbp"
 
-    def jobs(self, profile: Profile, hosts: int, link: LinkModel) -> list[Job]:
+    def jobs(self, profile: Profile, hosts: int, link: LinkModel, pipelined_steps: bool = False) -> list[Job]:
         index = {layer.name: i for i, layer in enumerate(profile.layers)}
-        jobs = []
-        for group in profile.groups():
-            jobs += self._group_jobs(group, index, profile, hosts, link)
-        return jobs
-
-    def _group_jobs(self, group: list[LayerProfile], index: dict[str, int], profile: Profile, hosts: int,
-                    link: LinkModel) -> list[Job]:
-        return [_ps_job(group, index[group[-1].name], hosts, profile.element_size, link)]
+        return [_ps_job(group, index[group[-1].name], hosts, profile.element_size, link) for group in profile.groups()]
 
 
-class Poseidon(WFBP):
-    """The coordinator's per-layer choice; ``compression``: the lossy path ``compression=`` names (its
-    option, e.g. ``"int8"``), or None."""
+class Poseidon(Scheme):
+    """The coordinator's choice; ``compression``: the lossy path ``compression=`` names (its option, e.g.
+    ``"int8"``), or None. A layer some path chosen by cost syncs faster than the default path is a job of
+    its own (as the engine gives it a bucket of its own), on the exact path whose sync is fastest (the
+    default one if none is faster), or on a lossy path where that shortens the predicted iteration
+    (:func:`~.timeline.fastest`, as the coordinator chooses); the rest of its traced bucket is one job on
+    the default path."""
 
     def __init__(self, compression: str | None = None) -> None:
         self.name = "poseidon" if compression is None else f"poseidon+{compression}"
         self.lossy = () if compression is None else (compression_options()[compression].name,)
 
-    def _group_jobs(self, group: list[LayerProfile], index: dict[str, int], profile: Profile, hosts: int,
-                    link: LinkModel) -> list[Job]:
-        jobs, rest = [], []
-        for layer in group:
-            chosen = self.cheaper_path(layer, profile, hosts, link, self.lossy)
-            if chosen is None:
-                rest.append(layer)
-                continue
-            path, predicted = chosen
-            jobs.append(Job(layer.name, index[layer.name], predicted.seconds - predicted.compute_s, predicted.bytes,
-                            path, predicted.compute_s))
-        if rest:
-            jobs.append(_ps_job(rest, index[rest[-1].name], hosts, profile.element_size, link))
-        return sorted(jobs, key=lambda job: job.after)
+    def jobs(self, profile: Profile, hosts: int, link: LinkModel, pipelined_steps: bool = False) -> list[Job]:
+        index = {layer.name: i for i, layer in enumerate(profile.layers)}
+        options: list[list[Job]] = []
+        for group in profile.groups():
+            rest = []
+            for layer in group:
+                cheaper = self.cheaper_paths(layer, profile, hosts, link, self.lossy)
+                if not cheaper:
+                    rest.append(layer)
+                    continue
+                after = index[layer.name]
+                jobs = [Job(layer.name, after, predicted.seconds - predicted.compute_s, predicted.bytes, path,
+                            predicted.compute_s) for path, predicted in cheaper]
+                exact = [job for job in jobs if PATHS[job.path].exact]
+                base = exact[0] if exact else _ps_job([layer], after, hosts, profile.element_size, link)
+                options.append([base, *(job for job in jobs if not PATHS[job.path].exact)])
+            if rest:
+                options.append([_ps_job(rest, index[rest[-1].name], hosts, profile.element_size, link)])
+        options.sort(key=lambda jobs: jobs[0].after)
+        return fastest(profile, options, pipelined_steps)
 
     @staticmethod
-    def cheaper_path(layer: LayerProfile, profile: Profile, hosts: int, link: LinkModel,
-                     lossy: tuple[str, ...] = ()) -> tuple[str, Prediction] | None:
-        """The path the coordinator would choose for the layer alone by cost (the exact paths chosen by
-        cost and the ``lossy`` ones), and its prediction, where it beats the default path's sync; else
-        None."""
+    def cheaper_paths(layer: LayerProfile, profile: Profile, hosts: int, link: LinkModel,
+                      lossy: tuple[str, ...] = ()) -> list[tuple[str, Prediction]]:
+        """The paths the coordinator could choose for the layer alone by cost (the exact paths chosen by
+        cost and the ``lossy`` ones) whose sync is predicted faster than the default path's, fastest first,
+        with their predictions."""
         fc = FCCost(layer.fc.m, layer.fc.n, layer.fc.k, profile.element_size) if layer.fc is not None else None
         elements = layer.nbytes // profile.element_size
         nbytes = flat_numel(elements, layer.tensors) * profile.element_size  # its bucket's, flags included
         # a profile knows the layer's elements, not its tensors' shapes: all a cast path reads of them
         cost = BucketCost(nbytes, layer.nbytes, fc, ((elements,),), profile.element_size)
         rates = (profile.gemm_flops, profile.memory_bps)
-        best, best_seconds = None, PATHS.default.predict(cost, hosts, link, *rates).seconds
+        default = PATHS.default.predict(cost, hosts, link, *rates).seconds
+        cheaper = []
         for path in PATHS.values():
             takes = path.by_cost and (path.exact or path.name in lossy)
             predicted = path.predict(cost, hosts, link, *rates) if takes else None
-            if predicted is not None and predicted.seconds < best_seconds:
-                best, best_seconds = (path.name, predicted), predicted.seconds
-        return best
+            if predicted is not None and predicted.seconds < default:
+                cheaper.append((path.name, predicted))
+        return sorted(cheaper, key=lambda chosen: chosen[1].seconds)
 
 
 class Delayed(Scheme):
@@ -143,8 +150,8 @@ class Delayed(Scheme):
     def __init__(self, base: Scheme) -> None:
         self.base, self.name = base, f"{base.name}+delay"
 
-    def jobs(self, profile: Profile, hosts: int, link: LinkModel) -> list[Job]:
-        return self.base.jobs(profile, hosts, link)
+    def jobs(self, profile: Profile, hosts: int, link: LinkModel, pipelined_steps: bool = False) -> list[Job]:
+        return self.base.jobs(profile, hosts, link, pipelined_steps=True)
 
 
 def _ps_job(layers: list[LayerProfile], after: int, hosts: int, element_size: int, link: LinkModel) -> Job:

@@ -15,6 +15,10 @@ backward each becomes ready, and what it costs (:mod:`.schemes`):
 - pipelined (Pipe-SGD, delay >= 1): the sync of step t runs during step t+1, so in steady state an
   iteration lasts max(communication, compute), compute stretched by s while the two overlap.
 
+:func:`fastest` chooses, per bucket, among the jobs its candidate paths would run, the plan whose
+iteration is shortest in this model: the coordinator plans with it (from the engine's measured readiness
+times) and the simulator's ``poseidon`` schemes predict with it, so both decide with one model.
+
 Every machine is alike (no stragglers): under BSP the iteration of one machine is everyone's.
 Invariants: ``iteration_s >= compute_s`` (no scheme is faster than no communication); jobs never
 overlap on the link; a job never starts before it is ready.
@@ -22,7 +26,7 @@ overlap on the link; a job never starts before it is ready.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .profile import Profile
@@ -103,6 +107,26 @@ def pipelined(profile: Profile, jobs: Sequence[Job], slowdown: float = 1.0) -> T
         spans.append(JobSpan(job, start, start + job.seconds))
         start += job.seconds
     return Timeline(period, profile.compute_s, work, tuple(spans))
+
+
+def fastest(profile: Profile, options: Sequence[Sequence[Job]], pipelined_steps: bool = False,
+            slowdown: float = 1.0) -> list[Job]:
+    """One job per bucket: ``options[i]`` are bucket i's candidate jobs, its default path's first. Start from
+    every default, then, bucket by bucket in the order of the link time their best candidate saves, take the
+    candidate that makes the iteration (BSP, or ``pipelined_steps``) shortest, where it is shorter than the
+    plan so far. Invariants: the plan's iteration is never longer than the all-default one's; a bucket leaves
+    its default only where that shortened the predicted iteration (ties keep the default: a sync hidden
+    under compute gains nothing from a path that sends less but computes more)."""
+    timeline: Callable[..., Timeline] = pipelined if pipelined_steps else bsp
+    plan = [jobs[0] for jobs in options]
+    best = timeline(profile, plan, slowdown).iteration_s
+    saving = [jobs[0].seconds - min(job.seconds for job in jobs) for jobs in options]
+    for i in sorted(range(len(options)), key=lambda i: -saving[i]):
+        for job in options[i][1:]:
+            seconds = timeline(profile, [*plan[:i], job, *plan[i + 1:]], slowdown).iteration_s
+            if seconds < best * (1.0 - 1e-12):
+                plan[i], best = job, seconds
+    return plan
 
 
 def advance(now: float, work: float, busy: Sequence[tuple[float, float]], slowdown: float) -> float:
