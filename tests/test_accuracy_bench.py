@@ -240,6 +240,7 @@ def test_a_bad_straggler_is_refused_with_the_reason(text: str, message: str) -> 
     (("--target", "nan"), "must be numbers"),
     (("--powersgd-start-iter", "1"), "--powersgd-start-iter: must be >= 2 (torch's PowerSGD"),
     (("--localsgd-period", "0"), "--localsgd-period: must be >= 1"),
+    (("--localsgd-period", "4", "--streaming-fragments", "3"), "(3) must divide --localsgd-period (4)"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: tuple, message: str,
                                                         capsys: pytest.CaptureFixture) -> None:
@@ -249,6 +250,22 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: tu
         parse_accuracy_args(["--steps", "2", *args, "--out", str(tmp_path)])
     stderr = capsys.readouterr().err
     assert refused.value.code == 2 and message in stderr, stderr
+
+
+def test_the_streaming_modes_take_their_fragments_and_the_others_none() -> None:
+    """``--streaming-fragments`` reaches PoseidonDDP's ``fragments`` in the streaming modes only (default:
+    one per step of the period), and the results record it."""
+    from poseidon_torch.bench.baselines import Baselines
+    from poseidon_torch.bench.worker import periodic_for
+
+    outer = (object, {})
+    sixteen = Baselines(localsgd_period=16, streaming_fragments=8)
+    assert periodic_for("poseidon-streaming", sixteen, outer) == {"sync_every": 16, "outer": None, "fragments": 8}
+    assert periodic_for("poseidon-streaming-int8", Baselines(localsgd_period=8), outer)["fragments"] == 8
+    assert periodic_for("poseidon-diloco", sixteen, outer) == {"sync_every": 16, "outer": outer, "fragments": 1}
+    assert periodic_for("poseidon-hybrid", sixteen, outer) == {}
+    assert sixteen.describe(["poseidon-streaming", "torch-ddp"]) == {"poseidon-streaming": {"sync_every": 16,
+                                                                                           "fragments": 8}}
 
 
 @pytest.mark.slow

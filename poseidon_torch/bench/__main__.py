@@ -108,6 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.bandwidth_bps = parse_rate(args.bandwidth)
         args.latency = parse_delay(args.latency) if args.latency else None
+        timed_baselines(args)
     except ValueError as exc:
         parser.error(str(exc))
     if args.hosts < 1 or args.iters < 1 or args.warmup < 0:
@@ -132,7 +133,8 @@ def worker_argv(args: argparse.Namespace, mode: str, workload: str, result: Path
 def timed_baselines(args: argparse.Namespace) -> Baselines:
     """The baselines as timed here: PowerSGD compresses from the first timed iteration, local SGD has no
     warm-up (torch's default)."""
-    return Baselines(args.powersgd_rank, args.warmup, args.localsgd_period, TORCH_LOCALSGD_WARMUP)
+    return Baselines(args.powersgd_rank, args.warmup, args.localsgd_period, TORCH_LOCALSGD_WARMUP,
+                     args.streaming_fragments)
 
 
 def overlap_from_trace(trace_dir: Path | None) -> float | None:

@@ -43,6 +43,7 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 
 POWERSGD, LOCALSGD, ONE_HOST = "torch-ddp-powersgd", "torch-ddp-localsgd", "one-host"
 BASELINE_MODES = (POWERSGD, LOCALSGD, ONE_HOST)
+STREAMING_PREFIX = "poseidon-streaming"  #: PoseidonDDP's streamed periodic modes, whose fragments are set here
 #: torch's defaults, read from its signatures so that a new torch's defaults are the ones used and stated
 TORCH_POWERSGD_START = inspect.signature(PowerSGDState).parameters["start_powerSGD_iter"].default
 TORCH_LOCALSGD_WARMUP = inspect.signature(PeriodicModelAverager).parameters["warmup_steps"].default
@@ -59,9 +60,22 @@ class Baselines:
     powersgd_start_iter: int = TORCH_POWERSGD_START
     localsgd_period: int = 4
     localsgd_warmup: int = TORCH_LOCALSGD_WARMUP
+    #: PoseidonDDP's streaming modes (``poseidon-streaming*``, whose period is ``localsgd_period`` too): the
+    #: fragments of the model, one synced every period / fragments steps (None: one per step of the period)
+    streaming_fragments: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.streaming_fragments is not None and self.localsgd_period % self.streaming_fragments:
+            raise ValueError(f"--streaming-fragments ({self.streaming_fragments}) must divide --localsgd-period "
+                             f"({self.localsgd_period}): one fragment syncs every period / fragments steps")
+
+    @property
+    def fragments(self) -> int:
+        """The streaming modes' fragments."""
+        return self.streaming_fragments or self.localsgd_period
 
     def describe(self, modes: list[str]) -> dict:
-        """What the results state about the baselines among ``modes``."""
+        """What the results state about the baselines among ``modes`` (and the streaming modes' fragments)."""
         described = {}
         if POWERSGD in modes:
             described[POWERSGD] = {
@@ -78,6 +92,9 @@ class Baselines:
                 "warmup_is_torch_default": self.localsgd_warmup == TORCH_LOCALSGD_WARMUP}
         if ONE_HOST in modes:
             described[ONE_HOST] = {"ranks": 1, "data": "host 0's shard among the hosts", "communication": "none"}
+        for mode in modes:
+            if mode.startswith(STREAMING_PREFIX):
+                described[mode] = {"sync_every": self.localsgd_period, "fragments": self.fragments}
         return described
 
     def footnotes(self, modes: list[str]) -> list[str]:
@@ -115,7 +132,11 @@ def add_baseline_arguments(parser: argparse.ArgumentParser, warm_ups: bool = Tru
     parser.add_argument("--powersgd-rank", type=_int_at_least(1), default=defaults.powersgd_rank,
                         help=f"{POWERSGD}: PowerSGD's matrix approximation rank")
     parser.add_argument("--localsgd-period", type=_int_at_least(1), default=defaults.localsgd_period,
-                        help=f"{LOCALSGD}: average the parameters every this many steps")
+                        help=f"{LOCALSGD}: average the parameters every this many steps (PoseidonDDP's periodic "
+                             "modes: sync_every)")
+    parser.add_argument("--streaming-fragments", type=_int_at_least(1), default=None,
+                        help="poseidon-streaming modes: the model's fragments, one synced every period / fragments "
+                             "steps (default: one per step of --localsgd-period)")
     if warm_ups:
         parser.add_argument("--powersgd-start-iter", type=_int_at_least(2, START_REASON), default=defaults.powersgd_start_iter,
                             help=f"{POWERSGD}: plain all-reduce for this many steps first (torch's default: "
@@ -129,14 +150,16 @@ def baselines_from(args: argparse.Namespace) -> Baselines:
     """The settings parsed by :func:`add_baseline_arguments` (the warm-ups: torch's defaults if absent)."""
     defaults = Baselines()
     return Baselines(args.powersgd_rank, getattr(args, "powersgd_start_iter", defaults.powersgd_start_iter),
-                     args.localsgd_period, getattr(args, "localsgd_warmup", defaults.localsgd_warmup))
+                     args.localsgd_period, getattr(args, "localsgd_warmup", defaults.localsgd_warmup),
+                     args.streaming_fragments)
 
 
 def baseline_argv(baselines: Baselines) -> list[str]:
     """The worker options that hand ``baselines`` on."""
     return ["--powersgd-rank", str(baselines.powersgd_rank), "--powersgd-start-iter",
             str(baselines.powersgd_start_iter), "--localsgd-period", str(baselines.localsgd_period),
-            "--localsgd-warmup", str(baselines.localsgd_warmup)]
+            "--localsgd-warmup", str(baselines.localsgd_warmup),
+            *(["--streaming-fragments", str(baselines.streaming_fragments)] if baselines.streaming_fragments else [])]
 
 
 def ranks_for(mode: str, hosts: int) -> int:

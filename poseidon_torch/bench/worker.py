@@ -29,7 +29,8 @@ hybrid with ``compression={"powersgd": ...}`` at the baseline's ``--powersgd-ran
 ``poseidon-powersgd-delay1`` (the same with ``delay=1``), ``poseidon-bf16`` (``compression="bf16"``) and
 ``poseidon-int8`` (``compression="int8"``). ``poseidon-localsgd-delay3`` is ``poseidon-localsgd`` with
 ``delay=3``: each sync overlaps the next 3 steps; ``poseidon-streaming`` is local SGD in as many
-fragments as the period has steps, one synced per step with ``delay=1`` (Streaming DiLoCo's schedule);
+fragments as the period has steps (or ``--streaming-fragments``), one synced every period / fragments
+steps with ``delay=1`` (Streaming DiLoCo's schedule);
 ``poseidon-streaming-int8`` is the same schedule on pseudo-gradients (DiLoCo with an outer SGD of lr 1,
 which is local SGD) sent as 8 bits with error feedback (``compression="int8"``).
 All modes use gloo, initialised from the env variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
@@ -147,14 +148,20 @@ def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None,
     engine = "python" if mode == "poseidon-ps-python" else "native"
     if mode == "poseidon-server-lazy-priority":
         os.environ["POSEIDON_PULL_PRIORITY"] = "1"
-    periodic = {}
-    if mode in PERIODIC_MODES:
-        outer = {"none": None, "diloco": DILOCO_OUTER, "sgd": (torch.optim.SGD, {"lr": 1.0})}[PERIODIC_MODES[mode]]
-        periodic = {"sync_every": baselines.localsgd_period, "outer": outer,
-                    "fragments": baselines.localsgd_period if mode in STREAMING_MODES else 1}
     return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=timeout, trace_dir=trace_dir,
                                       engine=engine, delay=DELAY_MODES.get(mode, 0),
-                                      compression=compression_for(mode, baselines), **periodic)
+                                      compression=compression_for(mode, baselines),
+                                      **periodic_for(mode, baselines, DILOCO_OUTER))
+
+
+def periodic_for(mode: str, baselines: Baselines, diloco_outer: tuple) -> dict:
+    """``PoseidonDDP``'s periodic options of ``mode`` (none for the others): ``sync_every`` the local SGD
+    baseline's period, the mode's outer optimizer, and the streaming modes' fragments."""
+    if mode not in PERIODIC_MODES:
+        return {}
+    outer = {"none": None, "diloco": diloco_outer, "sgd": (torch.optim.SGD, {"lr": 1.0})}[PERIODIC_MODES[mode]]
+    return {"sync_every": baselines.localsgd_period, "outer": outer,
+            "fragments": baselines.fragments if mode in STREAMING_MODES else 1}
 
 
 def compression_for(mode: str, baselines: Baselines) -> dict | None:

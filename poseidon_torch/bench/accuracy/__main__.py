@@ -83,6 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parse_rate(args.bandwidth)
         args.latency = parse_delay(args.latency) if args.latency else None
         args.straggler_spec = parse_straggler(args.straggler, args.hosts)
+        baselines_from(args)
     except ValueError as exc:
         parser.error(str(exc))
     if args.straggler_spec.kind == "slow-link" and args.mode != "netns":
