@@ -160,3 +160,19 @@ def test_the_baselines_refuse_settings_that_would_time_something_else(args: tupl
         parse_args(["--iters", "4", "--warmup", "2", *args])
     stderr = capsys.readouterr().err
     assert refused.value.code == 2 and message in stderr, stderr
+
+
+@pytest.mark.parametrize("warmup", ["0", "1"])
+def test_a_short_warmup_without_torch_powersgd_hands_the_workers_options_they_accept(tmp_path: Path,
+                                                                                       warmup: str) -> None:
+    """``--warmup`` 0 or 1 is fine without ``torch-ddp-powersgd``: the workers must accept the options the
+    runner hands them (they once got ``--powersgd-start-iter 1`` and every mode failed), and PowerSGD in
+    PoseidonDDP's mode starts where torch's could."""
+    from poseidon_torch.bench.__main__ import parse_args, worker_argv
+    from poseidon_torch.bench.worker import parse_args as parse_worker_args
+
+    args = parse_args(["--iters", "4", "--warmup", warmup, "--modes", "compute-only,torch-ddp,poseidon-powersgd",
+                       "--out", str(tmp_path)])
+    argv = worker_argv(args, "torch-ddp", "fc_heavy", tmp_path / "r.json", 1, None, None)
+    worker = parse_worker_args(argv[3:])  # after: python -m poseidon_torch.bench.worker
+    assert worker.warmup == int(warmup) and worker.powersgd_start_iter == 2

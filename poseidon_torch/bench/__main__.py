@@ -62,7 +62,7 @@ import os
 import sys
 from pathlib import Path
 
-from poseidon_torch.bench.baselines import LOCALSGD, POWERSGD, TORCH_LOCALSGD_WARMUP, Baselines, \
+from poseidon_torch.bench.baselines import LOCALSGD, POWERSGD, POWERSGD_MIN_START, TORCH_LOCALSGD_WARMUP, Baselines, \
     add_baseline_arguments, baseline_argv, ranks_for
 from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, add_placement_arguments, free_port, \
     fresh_dir, rank_env, run_placed, run_ranks, threads_per_rank, write_report
@@ -130,9 +130,11 @@ def worker_argv(args: argparse.Namespace, mode: str, workload: str, result: Path
 
 
 def timed_baselines(args: argparse.Namespace) -> Baselines:
-    """The baselines as timed here: PowerSGD compresses from the first timed iteration, local SGD has no
-    warm-up (torch's default)."""
-    return Baselines(args.powersgd_rank, args.warmup, args.localsgd_period, TORCH_LOCALSGD_WARMUP)
+    """The baselines as timed here: PowerSGD compresses from the first timed iteration (from torch's
+    earliest start on, where ``--warmup`` is shorter: only without ``torch-ddp-powersgd``, which the parser
+    refuses then), local SGD has no warm-up (torch's default)."""
+    return Baselines(args.powersgd_rank, max(args.warmup, POWERSGD_MIN_START), args.localsgd_period,
+                     TORCH_LOCALSGD_WARMUP)
 
 
 def overlap_from_trace(trace_dir: Path | None) -> float | None:
