@@ -460,3 +460,26 @@ def test_the_summary_takes_medians_over_repeats_and_a_run_short_of_the_target_co
     assert "| steady (1 failed) | 10 | 1.000 | 2.000 | 2.900 | 49.5 (49.0-50.0) | 1.20 |" in text
     assert "**steady** reaches the target first: 50.0 s (the median of its runs, one that failed" in text
     assert "1.20x sooner than torch-ddp, 1.22x sooner than the runner-up torch-ddp" in text  # 61 / 50
+
+
+def test_a_target_the_initial_model_meets_gives_no_speedup_and_no_winner() -> None:
+    """Every mode starts from the same model, so a target at or above its value is met at step 0 in every
+    mode, at the snapshot's few microseconds: a ratio of those is noise (it read 0.29x), not a speed-up."""
+    from poseidon_torch.bench.accuracy.report import add_derived, table
+    from poseidon_torch.bench.accuracy.summary import summarise_cell, winner_line
+
+    config = {"task": "lm", "hosts": 2, "link": "localhost", "cpus_per_host": None, "straggler": "none",
+              "time_budget_s": None, "steps": 12, "eval_every": 4}
+    modes = {"torch-ddp": _curve([(0.0002, 8.0), (4, 5.0), (8, 4.0)], 8.0),
+             "one-host": _curve([(0.0007, 8.0), (2, 5.5), (4, 4.5)], 4.0)}
+    for run in modes.values():
+        run.update(metric="m", steps_by_rank=[20, 20], samples_per_s=1.0)
+    report = {"config": config, "modes": modes}
+    add_derived(report, 9.0, None)
+    assert all(run["time_to_target_s"] is not None and run["speedup_over"] == {"torch-ddp": None, "one-host": None}
+               for run in modes.values()), [run["speedup_over"] for run in modes.values()]
+    assert report["target_met_untrained"]
+    assert "the target 9 is met by the initial model (m 8 at step 0)" in table(report)
+    assert winner_line(summarise_cell([report])).startswith("No winner: the initial model meets the target in 1 of 1")
+    add_derived(report, 4.5, None)  # a target reached by training: speed-ups as before
+    assert not report["target_met_untrained"] and modes["one-host"]["speedup_over"]["torch-ddp"]["x"] == 2.0

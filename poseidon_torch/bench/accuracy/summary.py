@@ -11,7 +11,8 @@ above 1: the mode was sooner than one host at every such value), each as the med
 defines them, so runs written before a field existed get it too. The target is each run's own (by
 default torch DDP's last value on its evaluation grid). The winner of a cell is the mode with the lowest
 median time to the target, a run that never reached it counting as infinitely slow (so a mode that
-reached it in fewer than half the repeats cannot win); ties go to the lower median value at the budget.
+reached it in fewer than half the repeats cannot win); ties go to the lower median value at the budget. Where the initial model meets the target in some run (step 0), the cell
+has no winner.
 
 Invariants: every number is read from the runs' ``results.json`` (the report's derived fields); nothing is
 interpolated; a failed run of a mode is counted and shown, and leaves that mode's numbers to its other
@@ -101,11 +102,15 @@ def summarise_cell(reports: list[dict]) -> dict:
                                for name, reference in SPEEDUPS.items()}
     ranking = sorted(rows, key=lambda m: (rows[m]["median_time_ranked"],
                                           rows[m]["value_at_budget"]["median"] or math.inf))
-    return {"runs": len(reports), "modes": rows, "ranking": ranking, "failed_only": sorted(set(failures) - set(rows))}
+    return {"runs": len(reports), "modes": rows, "ranking": ranking, "failed_only": sorted(set(failures) - set(rows)),
+            "target_met_untrained": sum(bool(report.get("target_met_untrained")) for report in reports)}
 
 
 def winner_line(cell: dict) -> str:
     ranking, rows = cell["ranking"], cell["modes"]
+    if cell.get("target_met_untrained"):
+        return (f"No winner: the initial model meets the target in {cell['target_met_untrained']} of "
+                f"{cell['runs']} runs (at step 0, before any training); give a lower --target.")
     if not ranking or math.isinf(rows[ranking[0]]["median_time_ranked"]):
         return "No mode reached the target in most of its runs."
     best = rows[ranking[0]]
