@@ -237,7 +237,7 @@ def test_a_bad_straggler_is_refused_with_the_reason(text: str, message: str) -> 
     (("--straggler", "slow-link:rate=100mbit"), "needs --mode netns"),
     (("--modes", "torch-ddp,torch-ddp"), "names a mode twice"),
     (("--time-budget", "-1"), "positive seconds"), (("--timeout", "0"), "positive seconds"),
-    (("--target", "nan"), "must be numbers"),
+    (("--target", "nan"), "must be numbers"), (("--budget", "-5"), "--budget must be positive seconds"),
     (("--powersgd-start-iter", "1"), "--powersgd-start-iter: must be >= 2 (torch's PowerSGD"),
     (("--localsgd-period", "0"), "--localsgd-period: must be >= 1"),
 ])

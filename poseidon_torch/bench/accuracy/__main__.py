@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--timeout and --time-budget must be positive seconds")
     if not all(v is None or math.isfinite(v) for v in (args.target, args.budget)):
         parser.error("--target and --budget must be numbers")
+    if args.budget is not None and args.budget <= 0:
+        parser.error("--budget must be positive seconds of training (the metric is read at that time)")
     try:
         parse_rate(args.bandwidth)
         args.latency = parse_delay(args.latency) if args.latency else None
