@@ -483,3 +483,28 @@ def test_a_target_the_initial_model_meets_gives_no_speedup_and_no_winner() -> No
     assert winner_line(summarise_cell([report])).startswith("No winner: the initial model meets the target in 1 of 1")
     add_derived(report, 4.5, None)  # a target reached by training: speed-ups as before
     assert not report["target_met_untrained"] and modes["one-host"]["speedup_over"]["torch-ddp"]["x"] == 2.0
+
+
+def test_a_mode_absent_from_most_runs_cannot_win_and_its_absence_shows() -> None:
+    """A mode run once in three repeats (a results file from an older run without it) reached the target
+    sooner in that run: it still reached it in fewer than half the repeats, so it cannot win the cell."""
+    from poseidon_torch.bench.accuracy.summary import markdown, summarise_cell
+
+    config = {"task": "lm", "hosts": 2, "link": "100mbit", "cpus_per_host": None, "straggler": "none",
+              "time_budget_s": 60.0, "steps": None}
+    reports = [{"config": config, "modes": {"steady": _summary_run(50.0, 2.9)}} for _ in range(3)]
+    reports[0]["modes"]["once"] = _summary_run(10.0, 3.5)
+    cell = summarise_cell(reports)
+    assert cell["ranking"] == ["steady", "once"] and cell["modes"]["once"]["absent"] == 2
+    assert "| once (2 absent) |" in markdown([{"title": "t", "summary": cell}])
+
+
+def test_the_summary_refuses_a_results_file_named_twice(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Each file is a run: naming one twice (a shell glob plus the file again) would count it as two repeats."""
+    from poseidon_torch.bench.accuracy.summary import main
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"config": {"task": "lm"}, "modes": {}}))
+    with pytest.raises(SystemExit) as refused:
+        main([str(path), str(tmp_path / "." / "results.json")])
+    assert refused.value.code == 2 and "named more than once" in capsys.readouterr().err

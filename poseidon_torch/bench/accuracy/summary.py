@@ -10,9 +10,10 @@ above 1: the mode was sooner than one host at every such value), each as the med
 (``median (min-max)``). The derived fields are recomputed from each run's evaluations as the report
 defines them, so runs written before a field existed get it too. The target is each run's own (by
 default torch DDP's last value on its evaluation grid). The winner of a cell is the mode with the lowest
-median time to the target, a run that never reached it counting as infinitely slow (so a mode that
-reached it in fewer than half the repeats cannot win); ties go to the lower median value at the budget. Where the initial model meets the target in some run (step 0), the cell
-has no winner.
+median time to the target, a run that never reached it, failed or did not run the mode counting as
+infinitely slow (so a mode that reached it in fewer than half the repeats cannot win; a mode's row says
+in how many runs it failed or was absent); ties go to the lower median value at the budget. Where the
+initial model meets the target in some run (step 0), the cell has no winner.
 
 Invariants: every number is read from the runs' ``results.json`` (the report's derived fields); nothing is
 interpolated; a failed run of a mode is counted and shown, and leaves that mode's numbers to its other
@@ -94,10 +95,12 @@ def summarise_cell(reports: list[dict]) -> dict:
                 modes[mode].append(run)
     rows = {mode: {name: spread([column(run) for run in runs]) for name, column in COLUMNS.items()}
             for mode, runs in modes.items()}
-    for mode, row in rows.items():  # a run that never reached the target is infinitely slow for the ranking
-        times = [COLUMNS["time_to_target_s"](run) for run in modes[mode]] + [None] * failures[mode]
+    for mode, row in rows.items():  # a run that never reached the target is infinitely slow for the ranking,
+        # as is one where the mode failed or did not run at all
+        times = [COLUMNS["time_to_target_s"](run) for run in modes[mode]]
+        times += [None] * (len(reports) - len(times))
         row["median_time_ranked"] = statistics.median(math.inf if t is None else t for t in times)
-        row["failed"] = failures[mode]
+        row["failed"], row["absent"] = failures[mode], len(reports) - len(modes[mode]) - failures[mode]
         row["lower_bounds"] = {name: sum(_bound(run, reference) for run in modes[mode])
                                for name, reference in SPEEDUPS.items()}
     ranking = sorted(rows, key=lambda m: (rows[m]["median_time_ranked"],
@@ -115,7 +118,7 @@ def winner_line(cell: dict) -> str:
         return "No mode reached the target in most of its runs."
     best = rows[ranking[0]]
     parts = [f"**{ranking[0]}** reaches the target first: {best['median_time_ranked']:.1f} s (the median of its "
-             f"runs, one that failed or missed the target counting as never)"]
+             f"runs, one that failed, missed the target or did not run counting as never)"]
     for name, reference in SPEEDUPS.items():
         if best[name]["median"] is not None and reference != ranking[0]:
             at_least = "at least " if best["lower_bounds"][name] else ""
@@ -147,7 +150,7 @@ def markdown(summary: list[dict]) -> str:
                   "| vs one-host, slowest level |", "|---" * 9 + "|"]
         for mode in cell["ranking"]:
             row = cell["modes"][mode]
-            failed = f" ({row['failed']} failed)" if row["failed"] else ""
+            failed = "".join(f" ({row[key]} {key})" for key in ("failed", "absent") if row[key])
             lines.append(f"| {mode}{failed} | {_cell_text(row['steps'], '.0f')} | {_cell_text(row['s_per_step'], '.3f')} "
                          f"| {_cell_text(row['mb_per_step'], '.3f')} | {_cell_text(row['value_at_budget'], '.3f')} "
                          f"| {_cell_text(row['time_to_target_s'], '.1f')} "
@@ -177,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(p) for p in args.results if not p.is_file()]
     if missing:
         parser.error(f"no such results file: {', '.join(missing)}")
+    named = [p.resolve() for p in args.results]
+    twice = sorted({str(p) for p in named if named.count(p) > 1})
+    if twice:
+        parser.error(f"results file named more than once: {', '.join(twice)}; each run counts once")
     summary = summarise(args.results)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1, default=str))
