@@ -508,3 +508,30 @@ def test_the_summary_refuses_a_results_file_named_twice(tmp_path: Path, capsys: 
     with pytest.raises(SystemExit) as refused:
         main([str(path), str(tmp_path / "." / "results.json")])
     assert refused.value.code == 2 and "named more than once" in capsys.readouterr().err
+
+
+def test_runs_at_another_local_sgd_period_are_another_cell_not_a_repeat(tmp_path: Path) -> None:
+    """Runs that differ only in ``--localsgd-period`` (or in another baseline option, or the task's size)
+    run different algorithms: the summary keeps them apart instead of taking their median. A results file
+    written before the options were recorded is read by its description of the baselines."""
+    from poseidon_torch.bench.accuracy.summary import summarise
+
+    base = {"task": "lm-wide", "tiny": False, "hosts": 2, "link": "100mbit", "latency": None, "cpus_per_host": None,
+            "straggler": "none", "time_budget_s": 120.0, "steps": None, "eval_every": 10}
+    described = {"torch-ddp-localsgd": {"period": 8, "warmup_steps": 0}}
+    configs = {"p8": {**base, "baseline_options": {"powersgd_rank": 4, "powersgd_start_iter": 1000,
+                                                   "localsgd_period": 8, "localsgd_warmup": 0}},
+               "p8-old": {**base, "baselines": described},
+               "p16": {**base, "baseline_options": {"powersgd_rank": 4, "powersgd_start_iter": 1000,
+                                                    "localsgd_period": 16, "localsgd_warmup": 0}},
+               "p8-tiny": {**base, "tiny": True, "baselines": described}}
+    paths = []
+    for name, config in configs.items():
+        run = _curve([(0.001, 8.0), (5, 5.0)], 5.0)
+        run.update(metric="m", steps_by_rank=[10, 10])
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"config": config, "modes": {"torch-ddp-localsgd": run}}))
+    titles = sorted((entry["title"], entry["summary"]["runs"]) for entry in summarise(paths))
+    assert titles == [("lm-wide (tiny), 2 hosts, 100mbit, 120 s per mode, --localsgd-period 8, 1 run", 1),
+                      ("lm-wide, 2 hosts, 100mbit, 120 s per mode, --localsgd-period 16, 1 run", 1),
+                      ("lm-wide, 2 hosts, 100mbit, 120 s per mode, --localsgd-period 8, 2 runs", 2)], titles

@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from poseidon_torch.bench.accuracy.report import add_derived, plot, table
@@ -145,7 +146,8 @@ def config(args: argparse.Namespace, placement: Placement) -> dict:
             "straggler": args.straggler, "straggler_spec": args.straggler_spec.describe(), "steps": args.steps,
             "time_budget_s": args.time_budget, "eval_every": args.eval_every, "tiny": args.tiny,
             "threads_per_rank": threads_per_rank(args.hosts), "cpus_per_host": placement.cpus_per_host,
-            "warnings": placement.warnings, "baselines": baselines_from(args).describe(args.modes),
+            "warnings": placement.warnings, "baseline_options": asdict(baselines_from(args)),
+            "baselines": baselines_from(args).describe(args.modes),
             "baseline_notes": baselines_from(args).footnotes(args.modes)}
 
 

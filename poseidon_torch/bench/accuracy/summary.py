@@ -2,11 +2,12 @@
 
     python -m poseidon_torch.bench.accuracy.summary OUT/*/results.json [--json summary.json]
 
-A cell is one configuration (task, hosts, link, CPU per host, straggler, budget); its runs are the
-repeats. For every mode of a cell: steps, seconds per step, MB sent per step per host, the metric at the
-budget, seconds to the target, the speed-ups over torch DDP and over ``one-host`` at the target, and the
-speed-up over ``one-host`` at the level where it is smallest (every value below the first evaluation;
-above 1: the mode was sooner than one host at every such value), each as the median over the repeats with the range
+A cell is one configuration (task and its size, hosts, link, latency, CPU per host, straggler, budget,
+the baselines' options such as ``--localsgd-period``); its runs are the repeats. For every mode of a
+cell: steps, seconds per step, MB sent per step per host, the metric at the budget, seconds to the
+target, the speed-ups over torch DDP and over ``one-host`` at the target, and the speed-up over
+``one-host`` at the level where it is smallest (every value below the first evaluation; above 1: the
+mode was sooner than one host at every such value), each as the median over the repeats with the range
 (``median (min-max)``). The derived fields are recomputed from each run's evaluations as the report
 defines them, so runs written before a field existed get it too. The target is each run's own (by
 default torch DDP's last value on its evaluation grid). The winner of a cell is the mode with the lowest
@@ -27,24 +28,53 @@ import math
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
 from poseidon_torch.bench.accuracy.report import REFERENCE_MODE, add_derived
+from poseidon_torch.bench.baselines import LOCALSGD, POWERSGD, Baselines
 
-CELL_KEYS = ("task", "hosts", "link", "cpus_per_host", "straggler", "time_budget_s", "steps")
+CELL_KEYS = ("task", "tiny", "hosts", "link", "latency", "cpus_per_host", "straggler", "time_budget_s", "steps")
+
+
+def baseline_options(config: dict) -> dict:
+    """A run's baseline options (``--powersgd-rank``, ``--powersgd-start-iter``, ``--localsgd-period``,
+    ``--localsgd-warmup``; PoseidonDDP's periodic and PowerSGD modes take them too): as recorded, or, in a
+    results file written before they were, as its description of the baselines it ran states them, else
+    the defaults."""
+    if "baseline_options" in config:
+        return config["baseline_options"]
+    options, described = asdict(Baselines()), config.get("baselines", {})
+    if POWERSGD in described:
+        options.update(powersgd_rank=described[POWERSGD]["matrix_approximation_rank"],
+                       powersgd_start_iter=described[POWERSGD]["start_powerSGD_iter"])
+    if LOCALSGD in described:
+        options.update(localsgd_period=described[LOCALSGD]["period"],
+                       localsgd_warmup=described[LOCALSGD]["warmup_steps"])
+    return options
 
 
 def cell_of(config: dict) -> tuple:
-    return tuple(config.get(key) for key in CELL_KEYS)
+    """The cell's key: runs that differ in any of these (a local SGD period included) are not repeats."""
+    return (*(bool(config.get(key)) if key == "tiny" else config.get(key) for key in CELL_KEYS),
+            *sorted(baseline_options(config).items()))
+
+
+def cell_config(cell: tuple) -> dict:
+    return {**dict(zip(CELL_KEYS, cell)), "baseline_options": dict(cell[len(CELL_KEYS):])}
 
 
 def cell_title(cell: tuple, runs: int) -> str:
-    config = dict(zip(CELL_KEYS, cell))
+    config, defaults = cell_config(cell), asdict(Baselines())
+    tiny = " (tiny)" if config["tiny"] else ""
+    latency = f", {config['latency']} latency" if config["latency"] else ""
     cpus = f", {config['cpus_per_host']} CPU per host" if config["cpus_per_host"] else ""
     straggler = f", straggler {config['straggler']}" if config["straggler"] != "none" else ""
     budget = f"{config['time_budget_s']:g} s" if config["time_budget_s"] else f"{config['steps']} steps"
-    return (f"{config['task']}, {config['hosts']} hosts, {config['link']}{cpus}{straggler}, "
-            f"{budget} per mode, {runs} run{'s' * (runs != 1)}")
+    options = "".join(f", --{name.replace('_', '-')} {value}" for name, value in config["baseline_options"].items()
+                      if value != defaults.get(name))
+    return (f"{config['task']}{tiny}, {config['hosts']} hosts, {config['link']}{latency}{cpus}{straggler}, "
+            f"{budget} per mode{options}, {runs} run{'s' * (runs != 1)}")
 
 
 def _speedup(run: dict, reference: str) -> float | None:
@@ -167,7 +197,7 @@ def summarise(paths: list[Path]) -> list[dict]:
         report = json.loads(path.read_text())
         add_derived(report, report.get("target"), report.get("budget_s"))
         cells[cell_of(report["config"])].append(report)
-    return [{"cell": dict(zip(CELL_KEYS, cell)), "title": cell_title(cell, len(reports)),
+    return [{"cell": cell_config(cell), "title": cell_title(cell, len(reports)),
              "summary": summarise_cell(reports)} for cell, reports in cells.items()]
 
 
