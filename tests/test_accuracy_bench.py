@@ -535,3 +535,20 @@ def test_runs_at_another_local_sgd_period_are_another_cell_not_a_repeat(tmp_path
     assert titles == [("lm-wide (tiny), 2 hosts, 100mbit, 120 s per mode, --localsgd-period 8, 1 run", 1),
                       ("lm-wide, 2 hosts, 100mbit, 120 s per mode, --localsgd-period 16, 1 run", 1),
                       ("lm-wide, 2 hosts, 100mbit, 120 s per mode, --localsgd-period 8, 2 runs", 2)], titles
+
+
+def test_the_matrix_script_takes_a_rate_with_a_decimal_point(tmp_path: Path) -> None:
+    """``RATES="1.5mbit"`` is a rate the benchmark takes; the script once built the variable name
+    ``EVAL_1.5mbit`` from it, which bash refuses as a fatal error: the matrix stopped at that cell, without
+    its summary. Run with a stand-in ``python`` that records its arguments (no namespaces, no root)."""
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}", RATES="1.5mbit 10mbit",
+               FOUR_HOST_RATE="", CPUS_PER_HOST="0.5", REPEATS="1", EVAL_1_5mbit="7", MODES="torch-ddp")
+    done = subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "accuracy_matrix.sh"), str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [call.split("--eval-every ")[1].split()[0] for call in calls] == ["7", "3"], calls
