@@ -6,7 +6,8 @@ Usage::
         [--bandwidth 1gbit] [--modes torch-ddp,poseidon-ps,...] (--steps S | --time-budget SECONDS)
         --eval-every E [--straggler persistent:factor=2] [--target VALUE] [--budget SECONDS] --out DIR
 
-Each mode runs after the other (one worker process per host, :mod:`~poseidon_torch.bench.accuracy.worker`;
+Each mode runs after the other, in the order given (but a straggler's calibration comes from the first mode
+on every host, which then runs first) (one worker process per host, :mod:`~poseidon_torch.bench.accuracy.worker`;
 ``one-host``: host 0's alone), from the same initial weights and the same data order. The baselines of a
 slow network (:mod:`~poseidon_torch.bench.baselines`: ``torch-ddp-powersgd``, ``torch-ddp-localsgd``,
 ``one-host``) take ``--powersgd-rank``, ``--powersgd-start-iter``, ``--localsgd-period`` and
@@ -151,6 +152,16 @@ def config(args: argparse.Namespace, placement: Placement) -> dict:
             "baseline_notes": baselines_from(args).footnotes(args.modes)}
 
 
+def run_order(modes: list[str], hosts: int, calibrates: bool) -> list[str]:
+    """``modes`` in the order they run: as given, except that where the straggler needs its calibration the
+    first mode on every host runs first, so that it calibrates every host and ``one-host`` gets host 0's
+    calibration too instead of its own."""
+    if not calibrates:
+        return list(modes)
+    first = next((mode for mode in modes if ranks_for(mode, hosts) == hosts), None)
+    return list(modes) if first is None else [first, *(mode for mode in modes if mode != first)]
+
+
 def run_all(args: argparse.Namespace, placement: Placement) -> dict:
     if args.straggler_spec.kind == "slow-link" and placement.kind != "netns":
         raise RuntimeError("a slow-link straggler needs the emulated cluster, which could not be built")
@@ -158,13 +169,14 @@ def run_all(args: argparse.Namespace, placement: Placement) -> dict:
     for warning in placement.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     calibration = None  # the first mode's, handed to the others: every mode gets the same straggler
-    for mode in args.modes:
+    for mode in run_order(args.modes, args.hosts, args.straggler_spec.needs_calibration):
         print(f"[{mode}] ...", file=sys.stderr, flush=True)
         run = report["modes"][mode] = run_mode(args, placement, mode, calibration)
         if "error" in run:
             print(f"[{mode}] FAILED: {run['error']}", file=sys.stderr)
         elif calibration is None and args.straggler_spec.needs_calibration and run["world_size"] == args.hosts:
             calibration = run["compute_s_by_rank"]
+    report["modes"] = {mode: report["modes"][mode] for mode in args.modes}  # the table's rows as asked
     add_derived(report, args.target, args.budget)
     return report
 
