@@ -578,3 +578,17 @@ def test_one_host_listed_first_gets_the_calibration_of_the_other_modes(tmp_path:
     report = accuracy.run_all(args, placement)
     assert handed == {"torch-ddp": None, "one-host": [0.0085, 0.0066], "torch-ddp-localsgd": [0.0085, 0.0066]}
     assert list(report["modes"]) == ["one-host", "torch-ddp", "torch-ddp-localsgd"]
+
+
+def test_runs_without_a_target_say_why_instead_of_no_mode_reaching_it(tmp_path: Path) -> None:
+    """Without torch DDP (it failed or was not asked for) and without ``--target`` there is no target: the
+    table and the summary say so and how to give one, instead of reading as if no mode reached it."""
+    from poseidon_torch.bench.accuracy.report import add_derived, table
+    from poseidon_torch.bench.accuracy.summary import summarise_cell, winner_line
+
+    run = _curve([(0.001, 8.0), (4, 5.0)], 4.0)
+    run.update(metric="m", steps_by_rank=[10], samples_per_s=1.0)
+    report = {"config": {"eval_every": 10}, "modes": {"one-host": run, "torch-ddp": {"error": "rank 1 exited"}}}
+    add_derived(report, None, None)
+    assert report["target"] is None and "- no target, so no time to it and no speed-up" in table(report)
+    assert winner_line(summarise_cell([report])).startswith("No winner: no target")

@@ -160,7 +160,18 @@ def table(report: dict) -> str:
     notes = [f"- {note}" for note in report["config"].get("baseline_notes", [])]
     if report.get("target_met_untrained"):
         notes.append(f"- {untrained_target_note(report)}")
+    if without_target(report):
+        notes.append(f"- {NO_TARGET_NOTE}")
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+NO_TARGET_NOTE = (f"no target, so no time to it and no speed-up: {REFERENCE_MODE} (whose last value on the "
+                  f"evaluation grid is the default) did not run or failed; give --target")
+
+
+def without_target(report: dict) -> bool:
+    """Whether :func:`add_derived` found no target for ``report`` (see :data:`NO_TARGET_NOTE`)."""
+    return "target" in report and report["target"] is None
 
 
 def untrained_target_note(report: dict) -> str:

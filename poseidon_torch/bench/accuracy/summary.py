@@ -31,7 +31,7 @@ from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
-from poseidon_torch.bench.accuracy.report import REFERENCE_MODE, add_derived
+from poseidon_torch.bench.accuracy.report import NO_TARGET_NOTE, REFERENCE_MODE, add_derived, without_target
 from poseidon_torch.bench.baselines import LOCALSGD, POWERSGD, Baselines
 
 CELL_KEYS = ("task", "tiny", "hosts", "link", "latency", "cpus_per_host", "straggler", "time_budget_s", "steps")
@@ -136,7 +136,8 @@ def summarise_cell(reports: list[dict]) -> dict:
     ranking = sorted(rows, key=lambda m: (rows[m]["median_time_ranked"],
                                           rows[m]["value_at_budget"]["median"] or math.inf))
     return {"runs": len(reports), "modes": rows, "ranking": ranking, "failed_only": sorted(set(failures) - set(rows)),
-            "target_met_untrained": sum(bool(report.get("target_met_untrained")) for report in reports)}
+            "target_met_untrained": sum(bool(report.get("target_met_untrained")) for report in reports),
+            "without_target": sum(without_target(report) for report in reports)}
 
 
 def winner_line(cell: dict) -> str:
@@ -144,6 +145,8 @@ def winner_line(cell: dict) -> str:
     if cell.get("target_met_untrained"):
         return (f"No winner: the initial model meets the target in {cell['target_met_untrained']} of "
                 f"{cell['runs']} runs (at step 0, before any training); give a lower --target.")
+    if cell["without_target"] and cell["without_target"] == cell["runs"]:
+        return f"No winner: {NO_TARGET_NOTE}."
     if not ranking or math.isinf(rows[ranking[0]]["median_time_ranked"]):
         return "No mode reached the target in most of its runs."
     best = rows[ranking[0]]
