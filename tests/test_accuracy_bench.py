@@ -513,7 +513,8 @@ def test_the_summary_refuses_a_results_file_named_twice(tmp_path: Path, capsys: 
 def test_runs_at_another_local_sgd_period_are_another_cell_not_a_repeat(tmp_path: Path) -> None:
     """Runs that differ only in ``--localsgd-period`` (or in another baseline option, or the task's size)
     run different algorithms: the summary keeps them apart instead of taking their median. A results file
-    written before the options were recorded is read by its description of the baselines."""
+    written before the options were recorded is read by its description of the baselines; a run whose
+    modes read no option is a repeat of the first cell it agrees with."""
     from poseidon_torch.bench.accuracy.summary import summarise
 
     base = {"task": "lm-wide", "tiny": False, "hosts": 2, "link": "100mbit", "latency": None, "cpus_per_host": None,
@@ -524,7 +525,8 @@ def test_runs_at_another_local_sgd_period_are_another_cell_not_a_repeat(tmp_path
                "p8-old": {**base, "baselines": described},
                "p16": {**base, "baseline_options": {"powersgd_rank": 4, "powersgd_start_iter": 1000,
                                                     "localsgd_period": 16, "localsgd_warmup": 0}},
-               "p8-tiny": {**base, "tiny": True, "baselines": described}}
+               "p8-tiny": {**base, "tiny": True, "baselines": described},
+               "no-option-read": {**base, "baseline_options": {}}}  # a run of modes that read none: a repeat
     paths = []
     for name, config in configs.items():
         run = _curve([(0.001, 8.0), (5, 5.0)], 5.0)
@@ -534,7 +536,7 @@ def test_runs_at_another_local_sgd_period_are_another_cell_not_a_repeat(tmp_path
     titles = sorted((entry["title"], entry["summary"]["runs"]) for entry in summarise(paths))
     assert titles == [("lm-wide (tiny), 2 hosts, 100mbit, 120 s per mode, --localsgd-period 8, 1 run", 1),
                       ("lm-wide, 2 hosts, 100mbit, 120 s per mode, --localsgd-period 16, 1 run", 1),
-                      ("lm-wide, 2 hosts, 100mbit, 120 s per mode, --localsgd-period 8, 2 runs", 2)], titles
+                      ("lm-wide, 2 hosts, 100mbit, 120 s per mode, --localsgd-period 8, 3 runs", 3)], titles
 
 
 def test_the_matrix_script_takes_a_rate_with_a_decimal_point(tmp_path: Path) -> None:
@@ -592,3 +594,20 @@ def test_runs_without_a_target_say_why_instead_of_no_mode_reaching_it(tmp_path: 
     add_derived(report, None, None)
     assert report["target"] is None and "- no target, so no time to it and no speed-up" in table(report)
     assert winner_line(summarise_cell([report])).startswith("No winner: no target")
+
+
+def test_the_results_record_the_baseline_options_the_modes_read_and_warn_of_the_others(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--localsgd-period`` reaches torch's local SGD and PoseidonDDP's periodic modes, ``--powersgd-rank``
+    torch's PowerSGD and ``poseidon-powersgd``: an option no mode of the run reads is said to be ignored,
+    and the results record only what the modes read (the summary's cells compare those)."""
+    from poseidon_torch.bench.accuracy.__main__ import options_read, parse_args
+
+    args = parse_args(["--steps", "2", "--modes", "torch-ddp,poseidon-streaming", "--localsgd-period", "8",
+                       "--powersgd-rank", "2", "--out", str(tmp_path)])
+    assert options_read(args) == {"localsgd_period": 8}
+    assert "warning: --powersgd-rank 2: no mode of --modes reads it" in capsys.readouterr().err
+    args = parse_args(["--steps", "2", "--modes", "poseidon-powersgd,torch-ddp-localsgd", "--out", str(tmp_path)])
+    assert options_read(args) == {"localsgd_period": 4, "localsgd_warmup": 0, "powersgd_rank": 4,
+                                  "powersgd_start_iter": 1000}
+    assert "warning" not in capsys.readouterr().err

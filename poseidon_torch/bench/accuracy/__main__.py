@@ -37,11 +37,12 @@ from pathlib import Path
 from poseidon_torch.bench.accuracy.report import add_derived, plot, table
 from poseidon_torch.bench.accuracy.stragglers import parse_straggler
 from poseidon_torch.bench.accuracy.tasks import TASKS
-from poseidon_torch.bench.baselines import ONE_HOST, add_baseline_arguments, baseline_argv, baselines_from, ranks_for
+from poseidon_torch.bench.baselines import ONE_HOST, Baselines, add_baseline_arguments, baseline_argv, baselines_from, \
+    ranks_for
 from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, add_placement_arguments, free_port, \
     rank_env, run_placed, run_ranks, threads_per_rank, write_report
 from poseidon_torch.bench.netns import parse_delay, parse_rate
-from poseidon_torch.bench.worker import MODES
+from poseidon_torch.bench.worker import MODES, baseline_options_of
 
 #: one-host in every default table: the wall time a second machine must beat to be worth having
 DEFAULT_MODES = ("torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-server-lazy", "one-host")
@@ -91,6 +92,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(str(exc))
     if args.straggler_spec.kind == "slow-link" and args.mode != "netns":
         parser.error("a slow-link straggler shapes a link: it needs --mode netns")
+    for name in sorted(set(asdict(Baselines())) - set(options_read(args))):
+        if getattr(args, name) != parser.get_default(name):
+            print(f"warning: --{name.replace('_', '-')} {getattr(args, name)}: no mode of --modes reads it",
+                  file=sys.stderr)
     return args
 
 
@@ -140,6 +145,12 @@ def run_mode(args: argparse.Namespace, placement: Placement, mode: str, compute_
     return json.loads(result.read_text())
 
 
+def options_read(args: argparse.Namespace) -> dict:
+    """The baseline options (``--localsgd-period`` ...) that some mode of the run reads, with their values."""
+    options = asdict(baselines_from(args))
+    return {name: options[name] for name in sorted({name for mode in args.modes for name in baseline_options_of(mode)})}
+
+
 def config(args: argparse.Namespace, placement: Placement) -> dict:
     enforced = placement.kind == "netns"
     return {"task": args.task, "mode_requested": args.mode, "mode": placement.kind, "hosts": args.hosts,
@@ -147,7 +158,7 @@ def config(args: argparse.Namespace, placement: Placement) -> dict:
             "straggler": args.straggler, "straggler_spec": args.straggler_spec.describe(), "steps": args.steps,
             "time_budget_s": args.time_budget, "eval_every": args.eval_every, "tiny": args.tiny,
             "threads_per_rank": threads_per_rank(args.hosts), "cpus_per_host": placement.cpus_per_host,
-            "warnings": placement.warnings, "baseline_options": asdict(baselines_from(args)),
+            "warnings": placement.warnings, "baseline_options": options_read(args),
             "baselines": baselines_from(args).describe(args.modes),
             "baseline_notes": baselines_from(args).footnotes(args.modes)}
 

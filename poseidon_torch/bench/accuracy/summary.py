@@ -3,9 +3,10 @@
     python -m poseidon_torch.bench.accuracy.summary OUT/*/results.json [--json summary.json]
 
 A cell is one configuration (task and its size, hosts, link, latency, CPU per host, straggler, budget,
-the baselines' options such as ``--localsgd-period``); its runs are the repeats. For every mode of a
-cell: steps, seconds per step, MB sent per step per host, the metric at the budget, seconds to the
-target, the speed-ups over torch DDP and over ``one-host`` at the target, and the speed-up over
+and the baselines' options such as ``--localsgd-period`` that the runs' modes read); its runs are the
+repeats (a run whose modes read none of those options joins the first cell it agrees with). For every
+mode of a cell: steps, seconds per step, MB sent per step per host, the metric at the budget, seconds to
+the target, the speed-ups over torch DDP and over ``one-host`` at the target, and the speed-up over
 ``one-host`` at the level where it is smallest (every value below the first evaluation; above 1: the
 mode was sooner than one host at every such value), each as the median over the repeats with the range
 (``median (min-max)``). The derived fields are recomputed from each run's evaluations as the report
@@ -38,13 +39,12 @@ CELL_KEYS = ("task", "tiny", "hosts", "link", "latency", "cpus_per_host", "strag
 
 
 def baseline_options(config: dict) -> dict:
-    """A run's baseline options (``--powersgd-rank``, ``--powersgd-start-iter``, ``--localsgd-period``,
-    ``--localsgd-warmup``; PoseidonDDP's periodic and PowerSGD modes take them too): as recorded, or, in a
-    results file written before they were, as its description of the baselines it ran states them, else
-    the defaults."""
+    """The baseline options (``--powersgd-rank``, ``--powersgd-start-iter``, ``--localsgd-period``,
+    ``--localsgd-warmup``) that a run's modes read: as recorded, or, in a results file written before they
+    were, as its description of torch's baselines states them."""
     if "baseline_options" in config:
         return config["baseline_options"]
-    options, described = asdict(Baselines()), config.get("baselines", {})
+    options, described = {}, config.get("baselines", {})
     if POWERSGD in described:
         options.update(powersgd_rank=described[POWERSGD]["matrix_approximation_rank"],
                        powersgd_start_iter=described[POWERSGD]["start_powerSGD_iter"])
@@ -55,24 +55,37 @@ def baseline_options(config: dict) -> dict:
 
 
 def cell_of(config: dict) -> tuple:
-    """The cell's key: runs that differ in any of these (a local SGD period included) are not repeats."""
-    return (*(bool(config.get(key)) if key == "tiny" else config.get(key) for key in CELL_KEYS),
-            *sorted(baseline_options(config).items()))
+    """The cell's key, but for the baseline options (:func:`group_cells`)."""
+    return tuple(bool(config.get(key)) if key == "tiny" else config.get(key) for key in CELL_KEYS)
 
 
-def cell_config(cell: tuple) -> dict:
-    return {**dict(zip(CELL_KEYS, cell)), "baseline_options": dict(cell[len(CELL_KEYS):])}
+def group_cells(reports: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """The reports grouped into cells, each with its configuration: runs are repeats where their
+    :data:`CELL_KEYS` agree and so do the baseline options that both read (a run at another
+    ``--localsgd-period`` is another cell; a run without the modes that read an option still joins)."""
+    cells: list[tuple[dict, list[dict]]] = []
+    for report in reports:
+        key, options = cell_of(report["config"]), baseline_options(report["config"])
+        for config, members in cells:
+            shared = config["baseline_options"].keys() & options.keys()
+            if cell_of(config) == key and all(config["baseline_options"][name] == options[name] for name in shared):
+                config["baseline_options"].update(options)
+                members.append(report)
+                break
+        else:
+            cells.append(({**dict(zip(CELL_KEYS, key)), "baseline_options": dict(options)}, [report]))
+    return cells
 
 
-def cell_title(cell: tuple, runs: int) -> str:
-    config, defaults = cell_config(cell), asdict(Baselines())
+def cell_title(config: dict, runs: int) -> str:
     tiny = " (tiny)" if config["tiny"] else ""
     latency = f", {config['latency']} latency" if config["latency"] else ""
     cpus = f", {config['cpus_per_host']} CPU per host" if config["cpus_per_host"] else ""
     straggler = f", straggler {config['straggler']}" if config["straggler"] != "none" else ""
     budget = f"{config['time_budget_s']:g} s" if config["time_budget_s"] else f"{config['steps']} steps"
-    options = "".join(f", --{name.replace('_', '-')} {value}" for name, value in config["baseline_options"].items()
-                      if value != defaults.get(name))
+    defaults = asdict(Baselines())
+    options = "".join(f", --{name.replace('_', '-')} {value}"
+                      for name, value in sorted(config["baseline_options"].items()) if value != defaults[name])
     return (f"{config['task']}{tiny}, {config['hosts']} hosts, {config['link']}{latency}{cpus}{straggler}, "
             f"{budget} per mode{options}, {runs} run{'s' * (runs != 1)}")
 
@@ -195,13 +208,12 @@ def markdown(summary: list[dict]) -> str:
 
 
 def summarise(paths: list[Path]) -> list[dict]:
-    cells: dict[tuple, list[dict]] = defaultdict(list)
+    reports = []
     for path in paths:
-        report = json.loads(path.read_text())
-        add_derived(report, report.get("target"), report.get("budget_s"))
-        cells[cell_of(report["config"])].append(report)
-    return [{"cell": cell_config(cell), "title": cell_title(cell, len(reports)),
-             "summary": summarise_cell(reports)} for cell, reports in cells.items()]
+        reports.append(json.loads(path.read_text()))
+        add_derived(reports[-1], reports[-1].get("target"), reports[-1].get("budget_s"))
+    return [{"cell": config, "title": cell_title(config, len(members)), "summary": summarise_cell(members)}
+            for config, members in group_cells(reports)]
 
 
 def main(argv: list[str] | None = None) -> int:
