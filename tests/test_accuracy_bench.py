@@ -611,3 +611,21 @@ def test_the_results_record_the_baseline_options_the_modes_read_and_warn_of_the_
     assert options_read(args) == {"localsgd_period": 4, "localsgd_warmup": 0, "powersgd_rank": 4,
                                   "powersgd_start_iter": 1000}
     assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "is not JSON"),
+    (json.dumps({"config": {}, "workloads": {}}), "not the results.json of a time-to-accuracy run (a throughput"),
+])
+def test_the_summary_refuses_a_file_that_is_not_a_runs_results(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                               content: str, message: str) -> None:
+    """A throughput benchmark's results.json (the same name) or a broken file: an error naming the file,
+    where a KeyError or JSONDecodeError traceback came out."""
+    from poseidon_torch.bench.accuracy.summary import main
+
+    path = tmp_path / "results.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as refused:
+        main([str(path)])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and f"{path} " in err and message in err, err

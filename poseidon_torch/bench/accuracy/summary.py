@@ -207,11 +207,22 @@ def markdown(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def load_report(path: Path) -> dict:
+    """A run's ``results.json`` with its derived fields recomputed; ValueError naming the file if it is not one."""
+    try:
+        report = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not JSON ({exc})") from None
+    if not isinstance(report, dict) or not {"config", "modes"} <= report.keys():
+        other = " (a throughput benchmark's: python -m poseidon_torch.bench.report reads those)" \
+            if isinstance(report, dict) and "workloads" in report else ""
+        raise ValueError(f"{path} is not the results.json of a time-to-accuracy run{other}")
+    add_derived(report, report.get("target"), report.get("budget_s"))
+    return report
+
+
 def summarise(paths: list[Path]) -> list[dict]:
-    reports = []
-    for path in paths:
-        reports.append(json.loads(path.read_text()))
-        add_derived(reports[-1], reports[-1].get("target"), reports[-1].get("budget_s"))
+    reports = [load_report(path) for path in paths]
     return [{"cell": config, "title": cell_title(config, len(members)), "summary": summarise_cell(members)}
             for config, members in group_cells(reports)]
 
@@ -229,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     twice = sorted({str(p) for p in named if named.count(p) > 1})
     if twice:
         parser.error(f"results file named more than once: {', '.join(twice)}; each run counts once")
-    summary = summarise(args.results)
+    try:
+        summary = summarise(args.results)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1, default=str))
     print(markdown(summary))
