@@ -52,7 +52,7 @@ for run in $(seq 1 "$repeats"); do
   for cell in "${cells[@]}"; do
     IFS=: read -r hosts rate cpus <<< "$cell"
     eval_var="EVAL_${rate//[^A-Za-z0-9_]/_}"  # a variable name: 1.5mbit reads EVAL_1_5mbit
-    eval_every=${!eval_var:-$(case $rate in 1gbit) echo 25;; 100mbit) echo 10;; 10mbit) echo 3;; *) echo 10;; esac)}
+    eval_every=${!eval_var:-$(case ${rate,,} in 1gbit) echo 25;; 100mbit) echo 10;; 10mbit) echo 3;; *) echo 10;; esac)}
     dir="$out/run${run}/${hosts}h_${rate}"
     echo "[run $run] $hosts hosts, $rate${cpus:+, $cpus CPU per host}: $dir" >&2
     # a failed mode is recorded in results.json and the table; go on with the other cells

@@ -540,14 +540,15 @@ def test_runs_at_another_local_sgd_period_are_another_cell_not_a_repeat(tmp_path
 
 
 def test_the_matrix_script_takes_a_rate_with_a_decimal_point(tmp_path: Path) -> None:
-    """``RATES="1.5mbit"`` is a rate the benchmark takes; the script once built the variable name
+    """``RATES="1.5mbit 10Mbit"`` are rates the benchmark takes; the script once built the variable name
     ``EVAL_1.5mbit`` from it, which bash refuses as a fatal error: the matrix stopped at that cell, without
-    its summary. Run with a stand-in ``python`` that records its arguments (no namespaces, no root)."""
+    its summary; and it took 10Mbit's grid for another rate's, the default of 10 steps where 10mbit has 3.
+    Run with a stand-in ``python`` that records its arguments (no namespaces, no root)."""
     fake = tmp_path / "bin" / "python"
     fake.parent.mkdir()
     fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n')
     fake.chmod(0o755)
-    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}", RATES="1.5mbit 10mbit",
+    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}", RATES="1.5mbit 10Mbit",
                FOUR_HOST_RATE="", CPUS_PER_HOST="0.5", REPEATS="1", EVAL_1_5mbit="7", MODES="torch-ddp")
     done = subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "accuracy_matrix.sh"), str(tmp_path / "out")],
                           env=env, capture_output=True, text=True, timeout=60)
