@@ -15,7 +15,8 @@
 #   CPUS_PER_HOST   the 4-host cell's CPU per host [this machine's cores / 4]
 #   MODES        comma-separated [the three baselines, torch DDP and every PoseidonDDP mode but the
 #                Python reference core and the pull-priority experiment]
-#   EVAL_1gbit, EVAL_100mbit, EVAL_10mbit, EVAL_<rate>  --eval-every per rate [25, 10, 3; else 10]: every
+#   EVAL_1gbit, EVAL_100mbit, EVAL_10mbit, EVAL_<rate>  --eval-every per rate [25, 10, 3; else 10; a rate's
+#                characters other than letters, digits and _ read as _: EVAL_1_5mbit for 1.5mbit]: every
 #                mode snapshots on the same step grid, so the grid must give DDP, the slowest, enough
 #                points; the fast modes then keep many snapshots (13 MB each for lm-wide) and their
 #                evaluation after training takes seconds per snapshot
@@ -50,8 +51,8 @@ results=()
 for run in $(seq 1 "$repeats"); do
   for cell in "${cells[@]}"; do
     IFS=: read -r hosts rate cpus <<< "$cell"
-    eval_var="EVAL_${rate}"
-    eval_every=${!eval_var:-$(case $rate in 1gbit) echo 25;; 100mbit) echo 10;; 10mbit) echo 3;; *) echo 10;; esac)}
+    eval_var="EVAL_${rate//[^A-Za-z0-9_]/_}"  # a variable name: 1.5mbit reads EVAL_1_5mbit
+    eval_every=${!eval_var:-$(case ${rate,,} in 1gbit) echo 25;; 100mbit) echo 10;; 10mbit) echo 3;; *) echo 10;; esac)}
     dir="$out/run${run}/${hosts}h_${rate}"
     echo "[run $run] $hosts hosts, $rate${cpus:+, $cpus CPU per host}: $dir" >&2
     # a failed mode is recorded in results.json and the table; go on with the other cells

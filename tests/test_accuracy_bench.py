@@ -237,7 +237,7 @@ def test_a_bad_straggler_is_refused_with_the_reason(text: str, message: str) -> 
     (("--straggler", "slow-link:rate=100mbit"), "needs --mode netns"),
     (("--modes", "torch-ddp,torch-ddp"), "names a mode twice"),
     (("--time-budget", "-1"), "positive seconds"), (("--timeout", "0"), "positive seconds"),
-    (("--target", "nan"), "must be numbers"),
+    (("--target", "nan"), "must be numbers"), (("--budget", "-5"), "--budget must be positive seconds"),
     (("--powersgd-start-iter", "1"), "--powersgd-start-iter: must be >= 2 (torch's PowerSGD"),
     (("--localsgd-period", "0"), "--localsgd-period: must be >= 1"),
     (("--localsgd-period", "4", "--streaming-fragments", "3"), "(3) must divide --localsgd-period (4)"),
@@ -477,3 +477,173 @@ def test_the_summary_takes_medians_over_repeats_and_a_run_short_of_the_target_co
     assert "| steady (1 failed) | 10 | 1.000 | 2.000 | 2.900 | 49.5 (49.0-50.0) | 1.20 |" in text
     assert "**steady** reaches the target first: 50.0 s (the median of its runs, one that failed" in text
     assert "1.20x sooner than torch-ddp, 1.22x sooner than the runner-up torch-ddp" in text  # 61 / 50
+
+
+def test_a_target_the_initial_model_meets_gives_no_speedup_and_no_winner() -> None:
+    """Every mode starts from the same model, so a target at or above its value is met at step 0 in every
+    mode, at the snapshot's few microseconds: a ratio of those is noise (it read 0.29x), not a speed-up."""
+    from poseidon_torch.bench.accuracy.report import add_derived, table
+    from poseidon_torch.bench.accuracy.summary import summarise_cell, winner_line
+
+    config = {"task": "lm", "hosts": 2, "link": "localhost", "cpus_per_host": None, "straggler": "none",
+              "time_budget_s": None, "steps": 12, "eval_every": 4}
+    modes = {"torch-ddp": _curve([(0.0002, 8.0), (4, 5.0), (8, 4.0)], 8.0),
+             "one-host": _curve([(0.0007, 8.0), (2, 5.5), (4, 4.5)], 4.0)}
+    for run in modes.values():
+        run.update(metric="m", steps_by_rank=[20, 20], samples_per_s=1.0)
+    report = {"config": config, "modes": modes}
+    add_derived(report, 9.0, None)
+    assert all(run["time_to_target_s"] is not None and run["speedup_over"] == {"torch-ddp": None, "one-host": None}
+               for run in modes.values()), [run["speedup_over"] for run in modes.values()]
+    assert report["target_met_untrained"]
+    assert "the target 9 is met by the initial model (m 8 at step 0)" in table(report)
+    assert winner_line(summarise_cell([report])).startswith("No winner: the initial model meets the target in 1 of 1")
+    add_derived(report, 4.5, None)  # a target reached by training: speed-ups as before
+    assert not report["target_met_untrained"] and modes["one-host"]["speedup_over"]["torch-ddp"]["x"] == 2.0
+
+
+def test_a_mode_absent_from_most_runs_cannot_win_and_its_absence_shows() -> None:
+    """A mode run once in three repeats (a results file from an older run without it) reached the target
+    sooner in that run: it still reached it in fewer than half the repeats, so it cannot win the cell."""
+    from poseidon_torch.bench.accuracy.summary import markdown, summarise_cell
+
+    config = {"task": "lm", "hosts": 2, "link": "100mbit", "cpus_per_host": None, "straggler": "none",
+              "time_budget_s": 60.0, "steps": None}
+    reports = [{"config": config, "modes": {"steady": _summary_run(50.0, 2.9)}} for _ in range(3)]
+    reports[0]["modes"]["once"] = _summary_run(10.0, 3.5)
+    cell = summarise_cell(reports)
+    assert cell["ranking"] == ["steady", "once"] and cell["modes"]["once"]["absent"] == 2
+    assert "| once (2 absent) |" in markdown([{"title": "t", "summary": cell}])
+
+
+def test_the_summary_refuses_a_results_file_named_twice(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Each file is a run: naming one twice (a shell glob plus the file again) would count it as two repeats."""
+    from poseidon_torch.bench.accuracy.summary import main
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"config": {"task": "lm"}, "modes": {}}))
+    with pytest.raises(SystemExit) as refused:
+        main([str(path), str(tmp_path / "." / "results.json")])
+    assert refused.value.code == 2 and "named more than once" in capsys.readouterr().err
+
+
+def test_runs_at_another_local_sgd_period_are_another_cell_not_a_repeat(tmp_path: Path) -> None:
+    """Runs that differ only in ``--localsgd-period`` (or in another baseline option, or the task's size)
+    run different algorithms: the summary keeps them apart instead of taking their median. A results file
+    written before the options were recorded is read by its description of the baselines; a run whose
+    modes read no option is a repeat of the first cell it agrees with."""
+    from poseidon_torch.bench.accuracy.summary import summarise
+
+    base = {"task": "lm-wide", "tiny": False, "hosts": 2, "link": "100mbit", "latency": None, "cpus_per_host": None,
+            "straggler": "none", "time_budget_s": 120.0, "steps": None, "eval_every": 10}
+    described = {"torch-ddp-localsgd": {"period": 8, "warmup_steps": 0}}
+    configs = {"p8": {**base, "baseline_options": {"powersgd_rank": 4, "powersgd_start_iter": 1000,
+                                                   "localsgd_period": 8, "localsgd_warmup": 0}},
+               "p8-old": {**base, "baselines": described},
+               "p16": {**base, "baseline_options": {"powersgd_rank": 4, "powersgd_start_iter": 1000,
+                                                    "localsgd_period": 16, "localsgd_warmup": 0}},
+               "p8-tiny": {**base, "tiny": True, "baselines": described},
+               "no-option-read": {**base, "baseline_options": {}}}  # a run of modes that read none: a repeat
+    paths = []
+    for name, config in configs.items():
+        run = _curve([(0.001, 8.0), (5, 5.0)], 5.0)
+        run.update(metric="m", steps_by_rank=[10, 10])
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"config": config, "modes": {"torch-ddp-localsgd": run}}))
+    titles = sorted((entry["title"], entry["summary"]["runs"]) for entry in summarise(paths))
+    assert titles == [("lm-wide (tiny), 2 hosts, 100mbit, 120 s per mode, --localsgd-period 8, 1 run", 1),
+                      ("lm-wide, 2 hosts, 100mbit, 120 s per mode, --localsgd-period 16, 1 run", 1),
+                      ("lm-wide, 2 hosts, 100mbit, 120 s per mode, --localsgd-period 8, 3 runs", 3)], titles
+
+
+def test_the_matrix_script_takes_a_rate_with_a_decimal_point(tmp_path: Path) -> None:
+    """``RATES="1.5mbit 10Mbit"`` are rates the benchmark takes; the script once built the variable name
+    ``EVAL_1.5mbit`` from it, which bash refuses as a fatal error: the matrix stopped at that cell, without
+    its summary; and it took 10Mbit's grid for another rate's, the default of 10 steps where 10mbit has 3.
+    Run with a stand-in ``python`` that records its arguments (no namespaces, no root)."""
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}", RATES="1.5mbit 10Mbit",
+               FOUR_HOST_RATE="", CPUS_PER_HOST="0.5", REPEATS="1", EVAL_1_5mbit="7", MODES="torch-ddp")
+    done = subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "accuracy_matrix.sh"), str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [call.split("--eval-every ")[1].split()[0] for call in calls] == ["7", "3"], calls
+
+
+def test_one_host_listed_first_gets_the_calibration_of_the_other_modes(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A straggler's pause is calibrated once, by a mode on every host, and handed to every other mode.
+    ``one-host`` listed first once calibrated itself (6.9 ms where the others got 8.5 ms for host 0): its
+    straggler paused less. Now a mode on every host runs first; the table keeps the order asked for."""
+    from types import SimpleNamespace
+
+    import poseidon_torch.bench.accuracy.__main__ as accuracy
+
+    handed = {}
+
+    def fake_run(args, placement, mode, calibration):
+        handed[mode] = calibration
+        world = 1 if mode == "one-host" else 2
+        return {"world_size": world, "compute_s_by_rank": calibration or [0.0085, 0.0066][:world], "metric": "m",
+                "train_time_s": 1.0, "evals": [{"step": 0, "time_s": 0.0, "m": 2.0}, {"step": 2, "time_s": 1.0, "m": 1.0}]}
+
+    monkeypatch.setattr(accuracy, "run_mode", fake_run)
+    args = accuracy.parse_args(["--modes", "one-host,torch-ddp,torch-ddp-localsgd", "--steps", "2",
+                                "--straggler", "persistent:factor=3,rank=0", "--out", str(tmp_path)])
+    placement = SimpleNamespace(kind="localhost", latency=None, cpus_per_host=None, warnings=[], wire_iface=None)
+    report = accuracy.run_all(args, placement)
+    assert handed == {"torch-ddp": None, "one-host": [0.0085, 0.0066], "torch-ddp-localsgd": [0.0085, 0.0066]}
+    assert list(report["modes"]) == ["one-host", "torch-ddp", "torch-ddp-localsgd"]
+
+
+def test_runs_without_a_target_say_why_instead_of_no_mode_reaching_it(tmp_path: Path) -> None:
+    """Without torch DDP (it failed or was not asked for) and without ``--target`` there is no target: the
+    table and the summary say so and how to give one, instead of reading as if no mode reached it."""
+    from poseidon_torch.bench.accuracy.report import add_derived, table
+    from poseidon_torch.bench.accuracy.summary import summarise_cell, winner_line
+
+    run = _curve([(0.001, 8.0), (4, 5.0)], 4.0)
+    run.update(metric="m", steps_by_rank=[10], samples_per_s=1.0)
+    report = {"config": {"eval_every": 10}, "modes": {"one-host": run, "torch-ddp": {"error": "rank 1 exited"}}}
+    add_derived(report, None, None)
+    assert report["target"] is None and "- no target, so no time to it and no speed-up" in table(report)
+    assert winner_line(summarise_cell([report])).startswith("No winner: no target")
+
+
+def test_the_results_record_the_baseline_options_the_modes_read_and_warn_of_the_others(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--localsgd-period`` reaches torch's local SGD and PoseidonDDP's periodic modes, ``--powersgd-rank``
+    torch's PowerSGD and ``poseidon-powersgd``: an option no mode of the run reads is said to be ignored,
+    and the results record only what the modes read (the summary's cells compare those)."""
+    from poseidon_torch.bench.accuracy.__main__ import options_read, parse_args
+
+    args = parse_args(["--steps", "2", "--modes", "torch-ddp,poseidon-streaming", "--localsgd-period", "8",
+                       "--powersgd-rank", "2", "--out", str(tmp_path)])
+    assert options_read(args) == {"localsgd_period": 8}
+    assert "warning: --powersgd-rank 2: no mode of --modes reads it" in capsys.readouterr().err
+    args = parse_args(["--steps", "2", "--modes", "poseidon-powersgd,torch-ddp-localsgd", "--out", str(tmp_path)])
+    assert options_read(args) == {"localsgd_period": 4, "localsgd_warmup": 0, "powersgd_rank": 4,
+                                  "powersgd_start_iter": 1000}
+    assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "is not JSON"),
+    (json.dumps({"config": {}, "workloads": {}}), "not the results.json of a time-to-accuracy run (a throughput"),
+])
+def test_the_summary_refuses_a_file_that_is_not_a_runs_results(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                               content: str, message: str) -> None:
+    """A throughput benchmark's results.json (the same name) or a broken file: an error naming the file,
+    where a KeyError or JSONDecodeError traceback came out."""
+    from poseidon_torch.bench.accuracy.summary import main
+
+    path = tmp_path / "results.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as refused:
+        main([str(path)])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and f"{path} " in err and message in err, err

@@ -160,3 +160,35 @@ def test_the_baselines_refuse_settings_that_would_time_something_else(args: tupl
         parse_args(["--iters", "4", "--warmup", "2", *args])
     stderr = capsys.readouterr().err
     assert refused.value.code == 2 and message in stderr, stderr
+
+
+@pytest.mark.parametrize("warmup", ["0", "1"])
+def test_a_short_warmup_without_torch_powersgd_hands_the_workers_options_they_accept(tmp_path: Path,
+                                                                                       warmup: str) -> None:
+    """``--warmup`` 0 or 1 is fine without ``torch-ddp-powersgd``: the workers must accept the options the
+    runner hands them (they once got ``--powersgd-start-iter 1`` and every mode failed), and PowerSGD in
+    PoseidonDDP's mode starts where torch's could."""
+    from poseidon_torch.bench.__main__ import parse_args, worker_argv
+    from poseidon_torch.bench.worker import parse_args as parse_worker_args
+
+    args = parse_args(["--iters", "4", "--warmup", warmup, "--modes", "compute-only,torch-ddp,poseidon-powersgd",
+                       "--out", str(tmp_path)])
+    argv = worker_argv(args, "torch-ddp", "fc_heavy", tmp_path / "r.json", 1, None, None)
+    worker = parse_worker_args(argv[3:])  # after: python -m poseidon_torch.bench.worker
+    assert worker.warmup == int(warmup) and worker.powersgd_start_iter == 2
+
+
+def test_one_host_is_not_measured_against_the_bound_of_the_multi_host_job() -> None:
+    """The lower bound is the P-host job's, its sync over the link included: one host alone has no sync,
+    so on a slow link it runs well under that bound, and a ratio below 1 would read as beating it."""
+    from poseidon_torch.bench.__main__ import add_derived
+
+    profile = {"param_bytes": 4_000_000, "linear": []}
+    run = {"batch_per_rank": 8, "cpu_s_per_iter": 0.1}
+    entry = {"modes": {"compute-only": dict(run, mode="compute-only", iter_s=0.1, world_size=2, profile=profile),
+                       "torch-ddp": dict(run, mode="torch-ddp", iter_s=0.5, world_size=2, samples_per_s=32.0),
+                       "one-host": dict(run, mode="one-host", iter_s=0.1, world_size=1, samples_per_s=80.0)}}
+    add_derived(entry, hosts=2, bandwidth_bps=100_000_000, cores=2.0)
+    assert entry["lower_bound_s"] == pytest.approx(4e6 * 8 / 1e8)  # the sync of 2 hosts at 100 Mbit/s: 0.32 s
+    assert entry["modes"]["torch-ddp"]["ratio_to_lower_bound"] == pytest.approx(0.5 / 0.32)
+    assert entry["modes"]["one-host"]["ratio_to_lower_bound"] is None

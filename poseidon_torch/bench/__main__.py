@@ -62,8 +62,8 @@ import os
 import sys
 from pathlib import Path
 
-from poseidon_torch.bench.baselines import LOCALSGD, POWERSGD, TORCH_LOCALSGD_WARMUP, Baselines, \
-    add_baseline_arguments, baseline_argv, ranks_for
+from poseidon_torch.bench.baselines import LOCALSGD, ONE_HOST, POWERSGD, POWERSGD_MIN_START, TORCH_LOCALSGD_WARMUP, \
+    Baselines, add_baseline_arguments, baseline_argv, ranks_for
 from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, add_placement_arguments, free_port, \
     fresh_dir, rank_env, run_placed, run_ranks, threads_per_rank, write_report
 from poseidon_torch.bench.netns import parse_delay, parse_rate
@@ -131,10 +131,11 @@ def worker_argv(args: argparse.Namespace, mode: str, workload: str, result: Path
 
 
 def timed_baselines(args: argparse.Namespace) -> Baselines:
-    """The baselines as timed here: PowerSGD compresses from the first timed iteration, local SGD has no
-    warm-up (torch's default)."""
-    return Baselines(args.powersgd_rank, args.warmup, args.localsgd_period, TORCH_LOCALSGD_WARMUP,
-                     args.streaming_fragments)
+    """The baselines as timed here: PowerSGD compresses from the first timed iteration (from torch's
+    earliest start on, where ``--warmup`` is shorter: only without ``torch-ddp-powersgd``, which the parser
+    refuses then), local SGD has no warm-up (torch's default)."""
+    return Baselines(args.powersgd_rank, max(args.warmup, POWERSGD_MIN_START), args.localsgd_period,
+                     TORCH_LOCALSGD_WARMUP, args.streaming_fragments)
 
 
 def overlap_from_trace(trace_dir: Path | None) -> float | None:
@@ -187,7 +188,9 @@ def minimal_sync_bytes(profile: dict, hosts: int) -> float:
 
 def add_derived(entry: dict, hosts: int, bandwidth_bps: int, cores: float) -> None:
     """Lower bound, ratio to DDP, ratio to the bound and each mode's CPU floor over its hosts' share of
-    ``cores`` (all of them, but one host's for ``one-host``), from the modes' results in ``entry``."""
+    ``cores`` (all of them, but one host's for ``one-host``), from the modes' results in ``entry``. The
+    bound is the ``hosts``-host job's (its compute and its sync): ``one-host`` runs another job, with no
+    sync and without the other hosts' load, so it has no ratio to it."""
     modes = entry["modes"]
     compute = modes["compute-only"]
     ddp = modes["torch-ddp"]
@@ -203,7 +206,7 @@ def add_derived(entry: dict, hosts: int, bandwidth_bps: int, cores: float) -> No
             continue
         result["ratio_to_ddp"] = result["samples_per_s"] / ddp["samples_per_s"] if "error" not in ddp else None
         bound = entry.get("lower_bound_s")
-        result["ratio_to_lower_bound"] = result["iter_s"] / bound if bound else None
+        result["ratio_to_lower_bound"] = result["iter_s"] / bound if bound and result["mode"] != ONE_HOST else None
         result["cpu_floor_s"] = result["cpu_s_per_iter"] / (cores * result["world_size"] / hosts)
 
 

@@ -47,6 +47,8 @@ STREAMING_PREFIX = "poseidon-streaming"  #: PoseidonDDP's streamed periodic mode
 #: torch's defaults, read from its signatures so that a new torch's defaults are the ones used and stated
 TORCH_POWERSGD_START = inspect.signature(PowerSGDState).parameters["start_powerSGD_iter"].default
 TORCH_LOCALSGD_WARMUP = inspect.signature(PeriodicModelAverager).parameters["warmup_steps"].default
+#: torch's PowerSGD with error feedback and warm start refuses an earlier start
+POWERSGD_MIN_START = 2
 #: the benchmarks run one rank per (emulated) host
 RANKS_PER_HOST = 1
 START_REASON = (" (torch's PowerSGD with error feedback and warm start cannot compress before DDP has rebuilt its "
@@ -138,7 +140,7 @@ def add_baseline_arguments(parser: argparse.ArgumentParser, warm_ups: bool = Tru
                         help="poseidon-streaming modes: the model's fragments, one synced every period / fragments "
                              "steps (default: one per step of --localsgd-period)")
     if warm_ups:
-        parser.add_argument("--powersgd-start-iter", type=_int_at_least(2, START_REASON), default=defaults.powersgd_start_iter,
+        parser.add_argument("--powersgd-start-iter", type=_int_at_least(POWERSGD_MIN_START, START_REASON), default=defaults.powersgd_start_iter,
                             help=f"{POWERSGD}: plain all-reduce for this many steps first (torch's default: "
                                  f"{TORCH_POWERSGD_START})")
         parser.add_argument("--localsgd-warmup", type=_int_at_least(0), default=defaults.localsgd_warmup,

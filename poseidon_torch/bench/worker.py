@@ -104,6 +104,20 @@ MODES = tuple(dict.fromkeys((
 DEFAULT_MODES = MODES[:4]
 #: modes whose ranks never communicate while they train
 ALONE_MODES = ("compute-only", ONE_HOST)
+POWERSGD_OPTIONS, LOCALSGD_OPTIONS = ("powersgd_rank", "powersgd_start_iter"), ("localsgd_period", "localsgd_warmup")
+
+
+def baseline_options_of(mode: str) -> tuple[str, ...]:
+    """The :class:`~poseidon_torch.bench.baselines.Baselines` fields that ``mode`` reads (none: it ignores them)."""
+    if mode == POWERSGD or COMPRESSION_MODES.get(mode) == "powersgd":
+        return POWERSGD_OPTIONS
+    if mode == LOCALSGD:
+        return LOCALSGD_OPTIONS
+    if mode in STREAMING_MODES:
+        return LOCALSGD_OPTIONS[0], "streaming_fragments"
+    return LOCALSGD_OPTIONS[:1] if mode in PERIODIC_MODES else ()
+
+
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.01, momentum=0.9)),
               "adamw": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.01))}
 

@@ -6,7 +6,8 @@ Usage::
         [--bandwidth 1gbit] [--modes torch-ddp,poseidon-ps,...] (--steps S | --time-budget SECONDS)
         --eval-every E [--straggler persistent:factor=2] [--target VALUE] [--budget SECONDS] --out DIR
 
-Each mode runs after the other (one worker process per host, :mod:`~poseidon_torch.bench.accuracy.worker`;
+Each mode runs after the other, in the order given (but a straggler's calibration comes from the first mode
+on every host, which then runs first) (one worker process per host, :mod:`~poseidon_torch.bench.accuracy.worker`;
 ``one-host``: host 0's alone), from the same initial weights and the same data order. The baselines of a
 slow network (:mod:`~poseidon_torch.bench.baselines`: ``torch-ddp-powersgd``, ``torch-ddp-localsgd``,
 ``one-host``) take ``--powersgd-rank``, ``--powersgd-start-iter``, ``--localsgd-period`` and
@@ -30,16 +31,18 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from poseidon_torch.bench.accuracy.report import add_derived, plot, table
 from poseidon_torch.bench.accuracy.stragglers import parse_straggler
 from poseidon_torch.bench.accuracy.tasks import TASKS
-from poseidon_torch.bench.baselines import ONE_HOST, add_baseline_arguments, baseline_argv, baselines_from, ranks_for
+from poseidon_torch.bench.baselines import ONE_HOST, Baselines, add_baseline_arguments, baseline_argv, baselines_from, \
+    ranks_for
 from poseidon_torch.bench.launch import STARTUP_GRACE_S, Placement, RankFailure, add_placement_arguments, free_port, \
     rank_env, run_placed, run_ranks, threads_per_rank, write_report
 from poseidon_torch.bench.netns import parse_delay, parse_rate
-from poseidon_torch.bench.worker import MODES
+from poseidon_torch.bench.worker import MODES, baseline_options_of
 
 #: one-host in every default table: the wall time a second machine must beat to be worth having
 DEFAULT_MODES = ("torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-server-lazy", "one-host")
@@ -79,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--timeout and --time-budget must be positive seconds")
     if not all(v is None or math.isfinite(v) for v in (args.target, args.budget)):
         parser.error("--target and --budget must be numbers")
+    if args.budget is not None and args.budget <= 0:
+        parser.error("--budget must be positive seconds of training (the metric is read at that time)")
     try:
         parse_rate(args.bandwidth)
         args.latency = parse_delay(args.latency) if args.latency else None
@@ -88,6 +93,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(str(exc))
     if args.straggler_spec.kind == "slow-link" and args.mode != "netns":
         parser.error("a slow-link straggler shapes a link: it needs --mode netns")
+    for name in sorted(set(asdict(Baselines())) - set(options_read(args))):
+        if getattr(args, name) != parser.get_default(name):
+            print(f"warning: --{name.replace('_', '-')} {getattr(args, name)}: no mode of --modes reads it",
+                  file=sys.stderr)
     return args
 
 
@@ -137,6 +146,12 @@ def run_mode(args: argparse.Namespace, placement: Placement, mode: str, compute_
     return json.loads(result.read_text())
 
 
+def options_read(args: argparse.Namespace) -> dict:
+    """The baseline options (``--localsgd-period`` ...) that some mode of the run reads, with their values."""
+    options = asdict(baselines_from(args))
+    return {name: options[name] for name in sorted({name for mode in args.modes for name in baseline_options_of(mode)})}
+
+
 def config(args: argparse.Namespace, placement: Placement) -> dict:
     enforced = placement.kind == "netns"
     return {"task": args.task, "mode_requested": args.mode, "mode": placement.kind, "hosts": args.hosts,
@@ -144,8 +159,19 @@ def config(args: argparse.Namespace, placement: Placement) -> dict:
             "straggler": args.straggler, "straggler_spec": args.straggler_spec.describe(), "steps": args.steps,
             "time_budget_s": args.time_budget, "eval_every": args.eval_every, "tiny": args.tiny,
             "threads_per_rank": threads_per_rank(args.hosts), "cpus_per_host": placement.cpus_per_host,
-            "warnings": placement.warnings, "baselines": baselines_from(args).describe(args.modes),
+            "warnings": placement.warnings, "baseline_options": options_read(args),
+            "baselines": baselines_from(args).describe(args.modes),
             "baseline_notes": baselines_from(args).footnotes(args.modes)}
+
+
+def run_order(modes: list[str], hosts: int, calibrates: bool) -> list[str]:
+    """``modes`` in the order they run: as given, except that where the straggler needs its calibration the
+    first mode on every host runs first, so that it calibrates every host and ``one-host`` gets host 0's
+    calibration too instead of its own."""
+    if not calibrates:
+        return list(modes)
+    first = next((mode for mode in modes if ranks_for(mode, hosts) == hosts), None)
+    return list(modes) if first is None else [first, *(mode for mode in modes if mode != first)]
 
 
 def run_all(args: argparse.Namespace, placement: Placement) -> dict:
@@ -155,13 +181,14 @@ def run_all(args: argparse.Namespace, placement: Placement) -> dict:
     for warning in placement.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     calibration = None  # the first mode's, handed to the others: every mode gets the same straggler
-    for mode in args.modes:
+    for mode in run_order(args.modes, args.hosts, args.straggler_spec.needs_calibration):
         print(f"[{mode}] ...", file=sys.stderr, flush=True)
         run = report["modes"][mode] = run_mode(args, placement, mode, calibration)
         if "error" in run:
             print(f"[{mode}] FAILED: {run['error']}", file=sys.stderr)
         elif calibration is None and args.straggler_spec.needs_calibration and run["world_size"] == args.hosts:
             calibration = run["compute_s_by_rank"]
+    report["modes"] = {mode: report["modes"][mode] for mode in args.modes}  # the table's rows as asked
     add_derived(report, args.target, args.budget)
     return report
 

@@ -5,7 +5,8 @@ the worker writes them); the judged metric is lower-is-better (validation loss o
 
 Speed-ups are taken at equal validation value, the target: a reference mode's time to it over this mode's.
 Where the reference never reached it, the speed-up is at least the reference's training time over this
-mode's time to it (a lower bound, shown as ">= x").
+mode's time to it (a lower bound, shown as ">= x"). A target the initial model meets (step 0, the same
+model in every mode) gives no speed-up, and the table says so.
 
 Invariants: nothing is interpolated (a target counts as reached at the first evaluated point at or below
 it); a mode that failed has no numbers and is shown as failed.
@@ -73,6 +74,7 @@ def add_derived(report: dict, target: float | None, budget_s: float | None) -> N
         if reference and run is not reference:
             with contextlib.suppress(ValueError):  # fewer than two common steps: no curve to compare
                 run["divergence_from_ddp"] = divergence_from(reference["evals"], run["evals"], metric)
+    report["target_met_untrained"] = any(run["steps_to_target"] == 0 for run in runs.values())
     for run in runs.values():
         run["speedup_over"] = {name: speedup(runs[name], run) for name in SPEEDUP_REFERENCES if name in runs}
         run["slowest_level_speedup_over"] = {name: slowest_level_speedup(runs[name], run, metric)
@@ -81,8 +83,10 @@ def add_derived(report: dict, target: float | None, budget_s: float | None) -> N
 
 def speedup(reference: dict, run: dict) -> dict | None:
     """``{"x": reference's time to the target / run's, "at_least": whether the reference never reached it
-    (then x is its training time over run's time to the target)}``; None if ``run`` never reached it."""
-    if run["time_to_target_s"] is None:
+    (then x is its training time over run's time to the target)}``; None if ``run`` never reached it, or
+    reached it untrained (step 0: every mode starts from the same model, and the time of that point is
+    the snapshot's, not training's)."""
+    if run["time_to_target_s"] is None or run["steps_to_target"] == 0:
         return None
     if reference["time_to_target_s"] is not None:
         return {"x": reference["time_to_target_s"] / run["time_to_target_s"], "at_least": False}
@@ -154,7 +158,27 @@ def table(report: dict) -> str:
                      f"| {speedup_text(speedups.get('one-host'))} | {_fmt(run.get('divergence_from_ddp'), '.1e')} "
                      f"| {extra} |")
     notes = [f"- {note}" for note in report["config"].get("baseline_notes", [])]
+    if report.get("target_met_untrained"):
+        notes.append(f"- {untrained_target_note(report)}")
+    if without_target(report):
+        notes.append(f"- {NO_TARGET_NOTE}")
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+NO_TARGET_NOTE = (f"no target, so no time to it and no speed-up: {REFERENCE_MODE} (whose last value on the "
+                  f"evaluation grid is the default) did not run or failed; give --target")
+
+
+def without_target(report: dict) -> bool:
+    """Whether :func:`add_derived` found no target for ``report`` (see :data:`NO_TARGET_NOTE`)."""
+    return "target" in report and report["target"] is None
+
+
+def untrained_target_note(report: dict) -> str:
+    """Why a run shows no speed-up to a target that its initial model meets already."""
+    start = next(run["evals"][0][report["metric"]] for run in report["modes"].values() if "error" not in run)
+    return (f"the target {report['target']:.4g} is met by the initial model ({report['metric']} {start:.4g} at "
+            f"step 0): no mode trains to reach it, so no speed-up is given; give a --target below {start:.4g}")
 
 
 def plot(report: dict, path: Path) -> None:

@@ -2,16 +2,20 @@
 
     python -m poseidon_torch.bench.accuracy.summary OUT/*/results.json [--json summary.json]
 
-A cell is one configuration (task, hosts, link, CPU per host, straggler, budget); its runs are the
-repeats. For every mode of a cell: steps, seconds per step, MB sent per step per host, the metric at the
-budget, seconds to the target, the speed-ups over torch DDP and over ``one-host`` at the target, and the
-speed-up over ``one-host`` at the level where it is smallest (every value below the first evaluation;
-above 1: the mode was sooner than one host at every such value), each as the median over the repeats with the range
+A cell is one configuration (task and its size, hosts, link, latency, CPU per host, straggler, budget,
+and the baselines' options such as ``--localsgd-period`` that the runs' modes read); its runs are the
+repeats (a run whose modes read none of those options joins the first cell it agrees with). For every
+mode of a cell: steps, seconds per step, MB sent per step per host, the metric at the budget, seconds to
+the target, the speed-ups over torch DDP and over ``one-host`` at the target, and the speed-up over
+``one-host`` at the level where it is smallest (every value below the first evaluation; above 1: the
+mode was sooner than one host at every such value), each as the median over the repeats with the range
 (``median (min-max)``). The derived fields are recomputed from each run's evaluations as the report
 defines them, so runs written before a field existed get it too. The target is each run's own (by
 default torch DDP's last value on its evaluation grid). The winner of a cell is the mode with the lowest
-median time to the target, a run that never reached it counting as infinitely slow (so a mode that
-reached it in fewer than half the repeats cannot win); ties go to the lower median value at the budget.
+median time to the target, a run that never reached it, failed or did not run the mode counting as
+infinitely slow (so a mode that reached it in fewer than half the repeats cannot win; a mode's row says
+in how many runs it failed or was absent); ties go to the lower median value at the budget. Where the
+initial model meets the target in some run (step 0), the cell has no winner.
 
 Invariants: every number is read from the runs' ``results.json`` (the report's derived fields); nothing is
 interpolated; a failed run of a mode is counted and shown, and leaves that mode's numbers to its other
@@ -25,24 +29,65 @@ import math
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
-from poseidon_torch.bench.accuracy.report import REFERENCE_MODE, add_derived
+from poseidon_torch.bench.accuracy.report import NO_TARGET_NOTE, REFERENCE_MODE, add_derived, without_target
+from poseidon_torch.bench.baselines import LOCALSGD, POWERSGD, Baselines
 
-CELL_KEYS = ("task", "hosts", "link", "cpus_per_host", "straggler", "time_budget_s", "steps")
+CELL_KEYS = ("task", "tiny", "hosts", "link", "latency", "cpus_per_host", "straggler", "time_budget_s", "steps")
+
+
+def baseline_options(config: dict) -> dict:
+    """The baseline options (``--powersgd-rank``, ``--powersgd-start-iter``, ``--localsgd-period``,
+    ``--localsgd-warmup``) that a run's modes read: as recorded, or, in a results file written before they
+    were, as its description of torch's baselines states them."""
+    if "baseline_options" in config:
+        return config["baseline_options"]
+    options, described = {}, config.get("baselines", {})
+    if POWERSGD in described:
+        options.update(powersgd_rank=described[POWERSGD]["matrix_approximation_rank"],
+                       powersgd_start_iter=described[POWERSGD]["start_powerSGD_iter"])
+    if LOCALSGD in described:
+        options.update(localsgd_period=described[LOCALSGD]["period"],
+                       localsgd_warmup=described[LOCALSGD]["warmup_steps"])
+    return options
 
 
 def cell_of(config: dict) -> tuple:
-    return tuple(config.get(key) for key in CELL_KEYS)
+    """The cell's key, but for the baseline options (:func:`group_cells`)."""
+    return tuple(bool(config.get(key)) if key == "tiny" else config.get(key) for key in CELL_KEYS)
 
 
-def cell_title(cell: tuple, runs: int) -> str:
-    config = dict(zip(CELL_KEYS, cell))
+def group_cells(reports: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """The reports grouped into cells, each with its configuration: runs are repeats where their
+    :data:`CELL_KEYS` agree and so do the baseline options that both read (a run at another
+    ``--localsgd-period`` is another cell; a run without the modes that read an option still joins)."""
+    cells: list[tuple[dict, list[dict]]] = []
+    for report in reports:
+        key, options = cell_of(report["config"]), baseline_options(report["config"])
+        for config, members in cells:
+            shared = config["baseline_options"].keys() & options.keys()
+            if cell_of(config) == key and all(config["baseline_options"][name] == options[name] for name in shared):
+                config["baseline_options"].update(options)
+                members.append(report)
+                break
+        else:
+            cells.append(({**dict(zip(CELL_KEYS, key)), "baseline_options": dict(options)}, [report]))
+    return cells
+
+
+def cell_title(config: dict, runs: int) -> str:
+    tiny = " (tiny)" if config["tiny"] else ""
+    latency = f", {config['latency']} latency" if config["latency"] else ""
     cpus = f", {config['cpus_per_host']} CPU per host" if config["cpus_per_host"] else ""
     straggler = f", straggler {config['straggler']}" if config["straggler"] != "none" else ""
     budget = f"{config['time_budget_s']:g} s" if config["time_budget_s"] else f"{config['steps']} steps"
-    return (f"{config['task']}, {config['hosts']} hosts, {config['link']}{cpus}{straggler}, "
-            f"{budget} per mode, {runs} run{'s' * (runs != 1)}")
+    defaults = asdict(Baselines())
+    options = "".join(f", --{name.replace('_', '-')} {value}"
+                      for name, value in sorted(config["baseline_options"].items()) if value != defaults[name])
+    return (f"{config['task']}{tiny}, {config['hosts']} hosts, {config['link']}{latency}{cpus}{straggler}, "
+            f"{budget} per mode{options}, {runs} run{'s' * (runs != 1)}")
 
 
 def _speedup(run: dict, reference: str) -> float | None:
@@ -93,24 +138,33 @@ def summarise_cell(reports: list[dict]) -> dict:
                 modes[mode].append(run)
     rows = {mode: {name: spread([column(run) for run in runs]) for name, column in COLUMNS.items()}
             for mode, runs in modes.items()}
-    for mode, row in rows.items():  # a run that never reached the target is infinitely slow for the ranking
-        times = [COLUMNS["time_to_target_s"](run) for run in modes[mode]] + [None] * failures[mode]
+    for mode, row in rows.items():  # a run that never reached the target is infinitely slow for the ranking,
+        # as is one where the mode failed or did not run at all
+        times = [COLUMNS["time_to_target_s"](run) for run in modes[mode]]
+        times += [None] * (len(reports) - len(times))
         row["median_time_ranked"] = statistics.median(math.inf if t is None else t for t in times)
-        row["failed"] = failures[mode]
+        row["failed"], row["absent"] = failures[mode], len(reports) - len(modes[mode]) - failures[mode]
         row["lower_bounds"] = {name: sum(_bound(run, reference) for run in modes[mode])
                                for name, reference in SPEEDUPS.items()}
     ranking = sorted(rows, key=lambda m: (rows[m]["median_time_ranked"],
                                           rows[m]["value_at_budget"]["median"] or math.inf))
-    return {"runs": len(reports), "modes": rows, "ranking": ranking, "failed_only": sorted(set(failures) - set(rows))}
+    return {"runs": len(reports), "modes": rows, "ranking": ranking, "failed_only": sorted(set(failures) - set(rows)),
+            "target_met_untrained": sum(bool(report.get("target_met_untrained")) for report in reports),
+            "without_target": sum(without_target(report) for report in reports)}
 
 
 def winner_line(cell: dict) -> str:
     ranking, rows = cell["ranking"], cell["modes"]
+    if cell.get("target_met_untrained"):
+        return (f"No winner: the initial model meets the target in {cell['target_met_untrained']} of "
+                f"{cell['runs']} runs (at step 0, before any training); give a lower --target.")
+    if cell["without_target"] and cell["without_target"] == cell["runs"]:
+        return f"No winner: {NO_TARGET_NOTE}."
     if not ranking or math.isinf(rows[ranking[0]]["median_time_ranked"]):
         return "No mode reached the target in most of its runs."
     best = rows[ranking[0]]
     parts = [f"**{ranking[0]}** reaches the target first: {best['median_time_ranked']:.1f} s (the median of its "
-             f"runs, one that failed or missed the target counting as never)"]
+             f"runs, one that failed, missed the target or did not run counting as never)"]
     for name, reference in SPEEDUPS.items():
         if best[name]["median"] is not None and reference != ranking[0]:
             at_least = "at least " if best["lower_bounds"][name] else ""
@@ -142,7 +196,7 @@ def markdown(summary: list[dict]) -> str:
                   "| vs one-host, slowest level |", "|---" * 9 + "|"]
         for mode in cell["ranking"]:
             row = cell["modes"][mode]
-            failed = f" ({row['failed']} failed)" if row["failed"] else ""
+            failed = "".join(f" ({row[key]} {key})" for key in ("failed", "absent") if row[key])
             lines.append(f"| {mode}{failed} | {_cell_text(row['steps'], '.0f')} | {_cell_text(row['s_per_step'], '.3f')} "
                          f"| {_cell_text(row['mb_per_step'], '.3f')} | {_cell_text(row['value_at_budget'], '.3f')} "
                          f"| {_cell_text(row['time_to_target_s'], '.1f')} "
@@ -153,14 +207,24 @@ def markdown(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def summarise(paths: list[Path]) -> list[dict]:
-    cells: dict[tuple, list[dict]] = defaultdict(list)
-    for path in paths:
+def load_report(path: Path) -> dict:
+    """A run's ``results.json`` with its derived fields recomputed; ValueError naming the file if it is not one."""
+    try:
         report = json.loads(path.read_text())
-        add_derived(report, report.get("target"), report.get("budget_s"))
-        cells[cell_of(report["config"])].append(report)
-    return [{"cell": dict(zip(CELL_KEYS, cell)), "title": cell_title(cell, len(reports)),
-             "summary": summarise_cell(reports)} for cell, reports in cells.items()]
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not JSON ({exc})") from None
+    if not isinstance(report, dict) or not {"config", "modes"} <= report.keys():
+        other = " (a throughput benchmark's: python -m poseidon_torch.bench.report reads those)" \
+            if isinstance(report, dict) and "workloads" in report else ""
+        raise ValueError(f"{path} is not the results.json of a time-to-accuracy run{other}")
+    add_derived(report, report.get("target"), report.get("budget_s"))
+    return report
+
+
+def summarise(paths: list[Path]) -> list[dict]:
+    reports = [load_report(path) for path in paths]
+    return [{"cell": config, "title": cell_title(config, len(members)), "summary": summarise_cell(members)}
+            for config, members in group_cells(reports)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(p) for p in args.results if not p.is_file()]
     if missing:
         parser.error(f"no such results file: {', '.join(missing)}")
-    summary = summarise(args.results)
+    named = [p.resolve() for p in args.results]
+    twice = sorted({str(p) for p in named if named.count(p) > 1})
+    if twice:
+        parser.error(f"results file named more than once: {', '.join(twice)}; each run counts once")
+    try:
+        summary = summarise(args.results)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1, default=str))
     print(markdown(summary))
