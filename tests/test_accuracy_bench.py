@@ -623,8 +623,10 @@ def test_the_results_record_the_baseline_options_the_modes_read_and_warn_of_the_
 
     args = parse_args(["--steps", "2", "--modes", "torch-ddp,poseidon-streaming", "--localsgd-period", "8",
                        "--powersgd-rank", "2", "--out", str(tmp_path)])
-    assert options_read(args) == {"localsgd_period": 8}
+    assert options_read(args) == {"localsgd_period": 8, "streaming_fragments": None}
     assert "warning: --powersgd-rank 2: no mode of --modes reads it" in capsys.readouterr().err
+    parse_args(["--steps", "2", "--modes", "poseidon-localsgd", "--streaming-fragments", "2", "--out", str(tmp_path)])
+    assert "warning: --streaming-fragments 2: no mode of --modes reads it" in capsys.readouterr().err
     args = parse_args(["--steps", "2", "--modes", "poseidon-powersgd,torch-ddp-localsgd", "--out", str(tmp_path)])
     assert options_read(args) == {"localsgd_period": 4, "localsgd_warmup": 0, "powersgd_rank": 4,
                                   "powersgd_start_iter": 1000}
