@@ -459,7 +459,8 @@ class Coordinator:
         for path in self._columns():
             predicted = (self._predict(path, bucket.nbytes, bucket.params, layer) if layer is not None or not path.factors
                          else None)
-            predictions[path.name] = None if predicted is None else (predicted.bytes, predicted.seconds)
+            predictions[path.name] = (None if predicted is None else
+                                      (predicted.bytes, predicted.seconds, 0.0 if path.exact else predicted.compute_s))
         planned = self.routed or (self.chosen.get(bucket.layers[0].name, self.default) if len(bucket.layers) == 1
                                   else self.default)
         return PlanRow(bucket.name, kind, tuple(bucket.params[0].shape), self.k_max[layer.name] if layer else None,
@@ -483,8 +484,9 @@ class PlanRow:
     k: int | None          #: the largest K of the last pass (FC layers of their own)
     path: str
     forced: bool
-    #: per path shown: (bytes per rank, seconds) of one sync, None where it cannot take the bucket
-    predictions: dict[str, tuple[float, float] | None]
+    #: per path shown: (bytes per rank, seconds, of which a lossy path's compression and decompression
+    #: compute) of one sync, None where it cannot take the bucket
+    predictions: dict[str, tuple[float, float, float] | None]
     layers: tuple[str, ...]  #: the bucket's layers, in sync order
 
 
@@ -580,9 +582,14 @@ def _cells(row: PlanRow, shown: list[str]) -> tuple[str, ...]:
     predicted = []
     for path in shown:
         prediction = row.predictions.get(path)
-        predicted += ["-", "-"] if prediction is None else [format_bytes(prediction[0]), format_seconds(prediction[1])]
+        predicted += ["-", "-"] if prediction is None else [format_bytes(prediction[0]), _time(*prediction[1:])]
     return (row.name, row.kind, "x".join(map(str, row.shape)), "-" if row.k is None else str(row.k),
             row.path + ("*" if row.forced else ""), *predicted)
+
+
+def _time(seconds: float, compute_s: float) -> str:
+    """A sync's predicted time, and the part of it that is compression compute where there is some."""
+    return format_seconds(seconds) + (f" ({format_seconds(compute_s)} compute)" if compute_s else "")
 
 
 def format_bytes(nbytes: float) -> str:

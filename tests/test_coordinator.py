@@ -290,14 +290,16 @@ def test_plan_printout_wraps_fused_names_and_says_when_the_gemm_was_not_probed()
     from poseidon_torch.coordinator import Plan, PlanRow
 
     fused = "+".join(f"blocks.{i}.conv{j}" for i in range(12) for j in (1, 2))
-    rows = [PlanRow(fused, "fused x24", (64, 64, 3, 3), None, "PS", False, {"PS": (1e6, 1e-3), "SFB": None},
+    rows = [PlanRow(fused, "fused x24", (64, 64, 3, 3), None, "PS", False, {"PS": (1e6, 1e-3, 0.0), "SFB": None, "INT8": None},
                     tuple(fused.split("+"))),
-            PlanRow("head", "Linear", (10, 512), 32, "SFB", True, {"PS": (2e4, 1e-4), "SFB": (1e3, 2e-5)}, ("head",))]
+            PlanRow("head", "Linear", (10, 512), 32, "SFB", True, {"PS": (2e4, 1e-4, 0.0), "SFB": (1e3, 2e-5, 0.0),
+                                                                   "INT8": (5e3, 6e-5, 4e-6)}, ("head",))]
     text = str(Plan(rows, 2, LinkModel.from_gbps(1.0, latency_us=50), None))
     lines = text.splitlines()
-    assert max(len(line) for line in lines[:-1]) < Plan.NAME_WIDTH + 80
+    assert max(len(line) for line in lines[:-1]) < Plan.NAME_WIDTH + 120
     assert "".join(line.split("  ")[0] for line in lines[2:-2]) == fused  # every layer, in order, once
     assert lines[-1].endswith("GEMM not probed; * = forced by override")
+    assert "60.0 us (4.0 us compute)" in lines[-2] and "100.0 us" in lines[-2]  # compression shown apart
     assert "1e-09" not in text
 
 
