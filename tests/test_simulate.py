@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -183,6 +184,17 @@ def test_every_layer_fastest_moves_off_its_default_shortens_the_iteration(layers
     for i, jobs in enumerate(options):
         if plan[i] != jobs[0]:
             assert planned < timeline(profile, [*plan[:i], jobs[0], *plan[i + 1:]]).iteration_s, (i, plan)
+
+
+def test_fastest_plans_hundreds_of_layers_in_seconds():
+    """The coordinator times a plan per candidate layer: on a 500-layer model every layer has a lossy
+    candidate. Each timeline without slowdown is linear in the layers (walking every span for every
+    piece of compute made it quadratic, and 500 layers took minutes on the 2-core machine)."""
+    profile, options = lossy_options([0.004 * (i % 3) for i in range(500)], [0.01 + 0.002 * (i % 5) for i in range(500)],
+                                     [0.003] * 500)
+    started = time.perf_counter()
+    fastest(profile, options)
+    assert time.perf_counter() - started < 10.0
 
 
 def test_every_prediction_is_at_least_the_compute():
