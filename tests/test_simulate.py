@@ -4,9 +4,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import simulate_workers
 from poseidon_torch.link import LinkModel
@@ -14,7 +17,7 @@ from poseidon_torch.simulate.cli import main as simulate_main
 from poseidon_torch.simulate import FCShape, Job, LayerProfile, Profile, bsp, from_trace, pipelined, predict
 from poseidon_torch.simulate.paper import vgg19_22k
 from poseidon_torch.simulate.schemes import SCHEMES, Poseidon
-from poseidon_torch.simulate.timeline import advance
+from poseidon_torch.simulate.timeline import advance, fastest
 
 #: alpha 10 ms per message, 1e-7 s per byte (80 Mbit/s)
 LINK = LinkModel(0.01, 1e-7)
@@ -144,6 +147,54 @@ def test_a_lossy_scheme_compresses_a_layer_only_where_its_model_predicts_a_short
     bottom_bf16 = PATHS["BF16"].predict(bottom, 2, LINK, None, 20e9).bytes
     assert bf16.sfb_layers == ("bottom",)
     assert bf16.bytes_per_machine == pytest.approx(exact.bytes_per_machine - bottom_ps + bottom_bf16)
+
+
+def lossy_options(backward_s: list[float], ps_s: list[float], compute_s: list[float]) -> tuple[Profile, list[list[Job]]]:
+    """A profile of layers ready in order after ``backward_s``, each with a PS sync of ``ps_s`` seconds
+    and an 8-bit one of no link time but ``compute_s`` seconds of compute."""
+    profile = Profile(tuple(LayerProfile(f"l{i}", 4, s) for i, s in enumerate(backward_s)), forward_s=1e-9)
+    return profile, [[Job(f"l{i}", i, ps, 10, "PS"), Job(f"l{i}", i, 0.0, 1, "INT8", compute)]
+                     for i, (ps, compute) in enumerate(zip(ps_s, compute_s))]
+
+
+def test_fastest_puts_back_a_layer_whose_compression_a_later_choice_made_useless():
+    """Layers l0 and l1 ready at once (PS syncs of 4 s each, back to back on the link), l2 after 2 s of
+    backward (1 s). The greedy compresses l0 first (its 2 s of compute on the lane: 9 s -> 7 s), then l1
+    (1 s of compute: 6 s), and keeps l2 exact (a tie). But with l1 compressed, l0's exact sync (0 to 4 s)
+    hides under l1's compute and l2's backward: back on PS the iteration is 5 s, not 6. The plan must not
+    keep a layer on a lossy path its own model predicts slower (issue 48)."""
+    profile, options = lossy_options([0.0, 0.0, 2.0], [4.0, 4.0, 1.0], [2.0, 1.0, 1.0])
+    plan = fastest(profile, options)
+    assert [job.path for job in plan] == ["PS", "INT8", "PS"]
+    assert bsp(profile, plan).iteration_s == pytest.approx(5.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(layers=st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.0, 3.0]), st.sampled_from([0.5, 1.0, 4.0]),
+                                 st.sampled_from([0.1, 0.5, 1.0, 2.0])), min_size=1, max_size=6),
+       pipelined_steps=st.booleans())
+def test_every_layer_fastest_moves_off_its_default_shortens_the_iteration(layers, pipelined_steps):
+    """The plan is never slower than all-default, and putting any layer it moved back on its default
+    would make the predicted iteration longer (BSP and pipelined)."""
+    profile, options = lossy_options(*map(list, zip(*layers)))
+    timeline = pipelined if pipelined_steps else bsp
+    plan = fastest(profile, options, pipelined_steps)
+    planned = timeline(profile, plan).iteration_s
+    assert planned <= timeline(profile, [jobs[0] for jobs in options]).iteration_s * (1 + 1e-9)
+    for i, jobs in enumerate(options):
+        if plan[i] != jobs[0]:
+            assert planned < timeline(profile, [*plan[:i], jobs[0], *plan[i + 1:]]).iteration_s, (i, plan)
+
+
+def test_fastest_plans_hundreds_of_layers_in_seconds():
+    """The coordinator times a plan per candidate layer: on a 500-layer model every layer has a lossy
+    candidate. Each timeline without slowdown is linear in the layers (walking every span for every
+    piece of compute made it quadratic, and 500 layers took minutes on the 2-core machine)."""
+    profile, options = lossy_options([0.004 * (i % 3) for i in range(500)], [0.01 + 0.002 * (i % 5) for i in range(500)],
+                                     [0.003] * 500)
+    started = time.perf_counter()
+    fastest(profile, options)
+    assert time.perf_counter() - started < 10.0
 
 
 def test_every_prediction_is_at_least_the_compute():

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 from .profile import Profile
 
+_TIE = 1e-12  #: relative: iterations closer than this are a tie (a tie keeps the default path)
+
 
 @dataclass(frozen=True)
 class Job:
@@ -76,6 +78,8 @@ def bsp(profile: Profile, jobs: Sequence[Job], slowdown: float = 1.0) -> Timelin
     rebuilds: deque[tuple[float, float]] = deque()  # (available at, seconds): in link order, so in time order
 
     def compute(start: float, work: float) -> float:
+        if slowdown == 1.0:  # nothing to stretch: the spans need not be walked (fastest times many plans)
+            return start + work
         return advance(start, work, [(s.start_s, s.end_s) for s in spans], slowdown)
 
     for index, layer in enumerate(profile.layers):
@@ -114,18 +118,30 @@ def fastest(profile: Profile, options: Sequence[Sequence[Job]], pipelined_steps:
     """One job per bucket: ``options[i]`` are bucket i's candidate jobs, its default path's first. Start from
     every default, then, bucket by bucket in the order of the link time their best candidate saves, take the
     candidate that makes the iteration (BSP, or ``pipelined_steps``) shortest, where it is shorter than the
-    plan so far. Invariants: the plan's iteration is never longer than the all-default one's; a bucket leaves
-    its default only where that shortened the predicted iteration (ties keep the default: a sync hidden
-    under compute gains nothing from a path that sends less but computes more)."""
+    plan so far. A later bucket's choice can hide the sync an earlier one shortened, so then, until none is
+    left, every bucket that would not lengthen the iteration back on its default goes back. Invariants: the
+    plan's iteration is never longer than the all-default one's; every bucket off its default shortens the
+    plan's predicted iteration: back on its default, the iteration would be longer (ties keep the default:
+    a sync hidden under compute gains nothing from a path that sends less but computes more)."""
     timeline: Callable[..., Timeline] = pipelined if pipelined_steps else bsp
     plan = [jobs[0] for jobs in options]
+
+    def iteration_with(i: int, job: Job) -> float:
+        return timeline(profile, [*plan[:i], job, *plan[i + 1:]], slowdown).iteration_s
+
     best = timeline(profile, plan, slowdown).iteration_s
     saving = [jobs[0].seconds - min(job.seconds for job in jobs) for jobs in options]
     for i in sorted(range(len(options)), key=lambda i: -saving[i]):
         for job in options[i][1:]:
-            seconds = timeline(profile, [*plan[:i], job, *plan[i + 1:]], slowdown).iteration_s
-            if seconds < best * (1.0 - 1e-12):
+            seconds = iteration_with(i, job)
+            if seconds < best * (1.0 - _TIE):
                 plan[i], best = job, seconds
+    went_back = True
+    while went_back:
+        went_back = False
+        for i, jobs in enumerate(options):
+            if plan[i] != jobs[0] and not best < (seconds := iteration_with(i, jobs[0])) * (1.0 - _TIE):
+                plan[i], best, went_back = jobs[0], seconds, True
     return plan
 
 
