@@ -41,6 +41,8 @@ def traced_bytes(rank: int, world_size: int, trace_dir: str, hybrid: bool, compr
         F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
     stats = wrapped.comm_stats
     result = {"bytes": sum(sent for path, sent in stats.bytes_by_path.items() if path != "facts"),
-              "outcomes": dict(stats.outcome_by_bucket)}
+              "outcomes": dict(stats.outcome_by_bucket),
+              # what the coordinator timed its plans with (with compression=: its checkpoint state carries it)
+              "ready_s": wrapped.consistency_state_dict().get("coordinator", {}).get("ready_s")}
     wrapped.close()  # waits for the trace files
     return result
