@@ -31,8 +31,10 @@ lossy path waits; the plan made then is made again once they are.
 
 Invariants: a factor path is only ever chosen for a layer that can take it exactly; a path is chosen by
 cost only where its sync is predicted faster than the default path's (as charged); a lossy path only
-where ``compression=`` names it, the iteration is modelled and the plan's predicted iteration is
-shorter than with the layer on its exact path; the plan depends only on facts every rank shares.
+where ``compression=`` names it, the iteration is modelled, the plan's predicted iteration is shorter
+than with the layer on its exact path and the plan is predicted at least ``LOSSY_MIN_GAIN`` (5%) shorter
+than the best exact plan (a lossy path costs progress per step, which the time model does not see); the
+plan depends only on facts every rank shares.
 """
 from __future__ import annotations
 
@@ -344,8 +346,9 @@ class Coordinator:
                 params = self._layer_params(name)
                 nbytes = flat_numel(sum(p.numel() for p in params), len(params)) * params[0].element_size()
                 base = exact.get(name, self.default)
-                options.append([_job(name, i, base, self._predict(self.paths[base], nbytes, params, self.fc.get(name))),
-                                *(_job(name, i, path, predicted) for path, predicted in lossy.get(name, ()))])
+                options.append([_job(name, i, self.paths[base], self._predict(self.paths[base], nbytes, params,
+                                                                                 self.fc.get(name))),
+                                *(_job(name, i, self.paths[path], predicted) for path, predicted in lossy.get(name, ()))])
             plan.update((name, job.path) for name, job in zip(layers, self._timed_plan(profile, options)))
         return {name: path for name, path in plan.items() if path != self.default}
 
@@ -471,9 +474,10 @@ def _params(layer: Layer) -> list[torch.nn.Parameter]:
     return [p for _, p in layer.params]
 
 
-def _job(bucket: str, after: int, path: str, predicted: Prediction) -> Job:
+def _job(bucket: str, after: int, path: Path, predicted: Prediction) -> Job:
     """A bucket's sync on ``path`` as the timeline's job: its link part, and its compute on the compute lane."""
-    return Job(bucket, after, predicted.seconds - predicted.compute_s, predicted.bytes, path, predicted.compute_s)
+    return Job(bucket, after, predicted.seconds - predicted.compute_s, predicted.bytes, path.name, predicted.compute_s,
+               lossy=not path.exact)
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,7 @@ class Poseidon(Scheme):
                     continue
                 after = index[layer.name]
                 jobs = [Job(layer.name, after, predicted.seconds - predicted.compute_s, predicted.bytes, path,
-                            predicted.compute_s) for path, predicted in cheaper]
+                            predicted.compute_s, lossy=not PATHS[path].exact) for path, predicted in cheaper]
                 exact = [job for job in jobs if PATHS[job.path].exact]
                 base = exact[0] if exact else _ps_job([layer], after, hosts, profile.element_size, link)
                 options.append([base, *(job for job in jobs if not PATHS[job.path].exact)])
