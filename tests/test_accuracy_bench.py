@@ -268,6 +268,22 @@ def test_the_streaming_modes_take_their_fragments_and_the_others_none() -> None:
                                                                                            "fragments": 8}}
 
 
+def test_a_streaming_run_stops_at_a_step_of_its_own_fragment_schedule() -> None:
+    """The stop rule of a streaming mode meets where its syncs land: with 16 steps in 8 fragments and
+    ``delay=1``, a sync every 2 steps, so once rank 0 has done n steps every rank can still stop after the
+    first 2k > n (+ delay - 1). The rule had used one fragment per step whatever --streaming-fragments
+    said (stop after n + 1), a step a rank ahead by the schedule may already have run past; a 10 Mbit/s
+    run of poseidon-streaming-int8 at 16 steps in 8 fragments then hung at its end (rank 0 in backward
+    until the runner's timeout), the likely cause."""
+    from poseidon_torch.bench.accuracy.worker import consensus_for
+    from poseidon_torch.bench.baselines import Baselines
+
+    eight = consensus_for("poseidon-streaming-int8", Baselines(localsgd_period=16, streaming_fragments=8))
+    assert [eight.next_meeting(n) for n in (189, 190, 191, 192)] == [190, 192, 192, 194]
+    per_step = consensus_for("poseidon-streaming", Baselines(localsgd_period=16))
+    assert [per_step.next_meeting(n) for n in (190, 191)] == [191, 192]
+
+
 @pytest.mark.slow
 def test_a_rank_past_its_timeout_is_named_as_such(tmp_path: Path) -> None:
     done, report = run_accuracy(tmp_path, "--task", "lm", "--steps", "100000", "--timeout", "3",

@@ -174,8 +174,12 @@ def periodic_for(mode: str, baselines: Baselines, diloco_outer: tuple) -> dict:
     if mode not in PERIODIC_MODES:
         return {}
     outer = {"none": None, "diloco": diloco_outer, "sgd": (torch.optim.SGD, {"lr": 1.0})}[PERIODIC_MODES[mode]]
-    return {"sync_every": baselines.localsgd_period, "outer": outer,
-            "fragments": baselines.fragments if mode in STREAMING_MODES else 1}
+    return {"sync_every": baselines.localsgd_period, "outer": outer, "fragments": fragments_for(mode, baselines)}
+
+
+def fragments_for(mode: str, baselines: Baselines) -> int:
+    """The fragments a periodic ``mode`` cuts the model into: one sync every period / fragments steps."""
+    return baselines.fragments if mode in STREAMING_MODES else 1
 
 
 def compression_for(mode: str, baselines: Baselines) -> dict | None:
