@@ -146,7 +146,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None,
                 baselines: Baselines = Baselines()) -> Callable[[nn.Module], nn.Module]:
-    """The function that wraps the module for ``mode`` (imports PoseidonDDP only when needed)."""
+    """The function that wraps the module for ``mode`` (imports PoseidonDDP only when needed). PoseidonDDP
+    waits at most half the rank's ``timeout`` for one sync: a wait that never ends then fails with the
+    engine's error naming what it waited for, before the runner ends the rank at its ``timeout`` without
+    one (with the same figure for both, the runner always came first)."""
     if mode in ALONE_MODES:
         return lambda module: module
     if mode in ("torch-ddp", "ddp-zero"):
@@ -162,7 +165,7 @@ def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None,
     engine = "python" if mode == "poseidon-ps-python" else "native"
     if mode == "poseidon-server-lazy-priority":
         os.environ["POSEIDON_PULL_PRIORITY"] = "1"
-    return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=timeout, trace_dir=trace_dir,
+    return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=timeout / 2, trace_dir=trace_dir,
                                       engine=engine, delay=DELAY_MODES.get(mode, 0),
                                       compression=compression_for(mode, baselines),
                                       **periodic_for(mode, baselines, DILOCO_OUTER))
