@@ -116,6 +116,25 @@ def test_poseidon_takes_sfb_where_it_is_cheaper_and_grows_with_the_machines():
     assert rows[2].iteration_s < predict(profile, ["wfbp"], [2], LINK)[0].iteration_s
 
 
+def test_poseidon_leaves_an_fc_layer_on_ps_where_its_sync_hides_under_the_backward():
+    """The FC layer of the test above ready first, with 3 s of backward after it: its PS sync (0.81 s)
+    hides, so SFB, faster by its sync alone, would only add its rebuild to the compute lane. It stays PS
+    and poseidon predicts wfbp's iteration (the README's example at 10 Gbit/s predicted poseidon slower
+    than wfbp when SFB was chosen by its sync alone). Pipelined, likewise."""
+    fc = LayerProfile("fc", 8_004_000, 1.0, FCShape(1000, 2000, 4), tensors=2)
+    profile = Profile((fc, LayerProfile("conv", 400_000, 3.0)), 0.5, gemm_flops=1e9)
+    assert Poseidon.cheaper_paths(fc, profile, 2, LINK)[0][0] == "SFB"
+    for scheme, wfbp in (("poseidon", "wfbp"), ("poseidon+delay", "wfbp+delay")):
+        (row,) = predict(profile, [scheme], [2], LINK)
+        assert row.sfb_layers == ()
+        assert row.iteration_s == pytest.approx(predict(profile, [wfbp], [2], LINK)[0].iteration_s, rel=1e-12)
+    # a slower link exposes the sync: then SFB pays
+    slow = LinkModel(0.01, 1e-6)
+    (row,) = predict(profile, ["poseidon"], [2], slow)
+    assert row.sfb_layers == ("fc",)
+    assert row.iteration_s < predict(profile, ["wfbp"], [2], slow)[0].iteration_s
+
+
 def test_a_lossy_scheme_compresses_a_layer_only_where_its_model_predicts_a_shorter_iteration():
     """poseidon+int8 at 27 Mbit/s (a quarter of the bytes for 22 ns of compute per element at 20 GB/s): the
     bottom layer, ready last, its sync exposed, goes to the 8-bit path and the iteration gets 11% shorter;
