@@ -261,16 +261,16 @@ def test_bytes_and_plan_match_the_engines_counters(cluster, tmp_path, hybrid, co
     """The simulator fed the traced run's own trace, at its machines and link, sends what the engine
     counted (mean over ranks) and takes the same layers off the PS path, to the same paths: SFB, or with
     ``compression="int8"`` the 8-bit path where the coordinator's model (bytes, and the compression
-    compute at the probed memory bandwidth the trace records) predicts the iteration shorter. That choice
-    depends on when each layer's gradients were ready: the engine times it with the readiness of its
-    first pass, the simulator with the trace's medians, so there the simulator is given the engine's
+    compute at the probed memory bandwidth the trace records) predicts the iteration shorter. Those
+    choices depend on when each layer's gradients were ready: the engine times them with the readiness of
+    its first pass, the simulator with the trace's medians, so the simulator is given the engine's
     readiness (the profile's layers one job each, as the coordinator times them): one model, one plan."""
     results = cluster.run(simulate_workers.traced_bytes, str(tmp_path), hybrid, compression)
     profile = from_trace(tmp_path / "trace_merged.json")
     link = LinkModel(**profile.link)
     scheme = "wfbp" if not hybrid else "poseidon" if compression is None else f"poseidon+{compression}"
     ready_s = results[0]["ready_s"]
-    assert (ready_s is not None) == (compression is not None) and all(r["ready_s"] == ready_s for r in results)
+    assert (ready_s is not None) == hybrid and all(r["ready_s"] == ready_s for r in results)
     if ready_s is not None:
         profile = as_timed_by_the_coordinator(profile, ready_s)
     (row,) = predict(profile, [scheme], [cluster.world_size], link)
