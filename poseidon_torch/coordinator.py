@@ -4,12 +4,12 @@ At the end of every synced backward the ranks all-gather a small vector of *fact
 aborted flag, which buckets got a gradient late, and per FC layer its rows K this round and its sticky
 flags, see :mod:`~poseidon_torch.fc`). From them every rank computes the same plan for the next pass: a
 layer alone in its bucket leaves the default path when an override forces another one, or when a path
-chosen by cost (``Path.by_cost``) syncs it faster than the default path: for an FC layer no rank raised
-a sticky flag on, a factor path at the largest K (the fastest exact path is taken); with
+chosen by cost (``Path.by_cost``) syncs it faster than the default path and shortens the predicted
+iteration (below): for an FC layer no rank raised a sticky flag on, a factor path at the largest K; with
 ``PoseidonDDP(compression=...)``, for any layer, the lossy paths it names (``lossy``), each from its
-``start_iter``-th synced pass on, taken only where they also shorten the predicted iteration (below).
-Without ``compression=`` no lossy path is ever chosen by cost. The first pass runs every layer on the
-default path: it is when the sticky facts and the readiness times are learned.
+``start_iter``-th synced pass on. Without ``compression=`` no lossy path is ever chosen by cost. The
+first pass runs every layer on the default path: it is when the sticky facts and the readiness times are
+learned.
 
 Cost model: every registered path predicts its bytes per rank and seconds per pass on this
 implementation's traffic (``Path.predict``: the formulas the stats, the simulator and the benchmark
@@ -17,24 +17,26 @@ share). A sync's prediction charges the default path only its bytes while the bu
 (on it a layer can share a bucket, and its messages, with its neighbours; on a path of its own it is a
 job of its own), and its whole cost once they are. With ``pull_values`` (a mode that updates at the
 owners) a path that does not reduce at the owners is charged the owners' pull of the new values too. A
-lossy path's prediction includes its compression and decompression compute (at the probed GEMM rate and
-memory bandwidth, ``memory_bps``).
+path's prediction includes its compute (SFB's rebuild; a lossy path's compression and decompression, at
+the probed GEMM rate and memory bandwidth, ``memory_bps``).
 
-One model of the iteration: a lossy path sends less but computes more, which pays only where the sync
-is exposed. So the lossy candidates are weighed by the iteration they give, in the simulator's
-timeline (:func:`~poseidon_torch.simulate.timeline.fastest`, which the simulator's ``poseidon+...``
-schemes call too): every layer's backward on one compute lane, timed by the readiness of the pass the
-buckets were first learned from (rank 0's, shared; or a checkpoint's), each layer's sync a job on the
-link once ready (its exact path's, or a lossy one), a path's compute on the compute lane; BSP, or a
-pipeline for a mode whose syncs overlap the next step (``pipelined``). Until the buckets are learned a
-lossy path waits; the plan made then is made again once they are.
+One model of the iteration: a path that sends less but computes more (SFB's rebuild, compression) pays
+only where the sync is exposed. So once the iteration can be modelled, every candidate is weighed by the
+iteration it gives, in the simulator's timeline (:func:`~poseidon_torch.simulate.timeline.fastest`, which
+the simulator's ``poseidon`` schemes call too): every layer's backward on one compute lane, timed by the
+readiness of the pass the buckets were first learned from (rank 0's, shared; or a checkpoint's), each
+layer's sync a job on the link once ready (the default path's, or a candidate's), a path's compute on the
+compute lane; BSP, or a pipeline for a mode whose syncs overlap the next step (``pipelined``). Until the
+buckets are learned an exact candidate is taken by its sync alone and a lossy one waits; the plan made
+then is made again once they are (its exact choices kept for the pass the forwards already committed
+to), and the plans after it are all modelled.
 
 Invariants: a factor path is only ever chosen for a layer that can take it exactly; a path is chosen by
-cost only where its sync is predicted faster than the default path's (as charged); a lossy path only
-where ``compression=`` names it, the iteration is modelled, the plan's predicted iteration is shorter
-than with the layer on its exact path and the plan is predicted at least ``LOSSY_MIN_GAIN`` (5%) shorter
-than the best exact plan (a lossy path costs progress per step, which the time model does not see); the
-plan depends only on facts every rank shares.
+cost only where its sync is predicted faster than the default path's (as charged) and, once the iteration
+is modelled, where the plan's predicted iteration is shorter than with the layer on the default path; a
+lossy path only where ``compression=`` names it, the iteration is modelled and the plan with it is
+predicted at least ``LOSSY_MIN_GAIN`` (5%) shorter than the best exact plan (a lossy path costs progress
+per step, which the time model does not see); the plan depends only on facts every rank shares.
 """
 from __future__ import annotations
 
@@ -330,27 +332,27 @@ class Coordinator:
         return self.learned and self.ready_s is not None
 
     def _fastest(self, cheaper: Mapping[str, list[tuple[str, Prediction]]]) -> dict[str, str]:
-        """Per layer with ``cheaper`` paths, the one it takes: the fastest exact one's (by its sync), unless
-        a lossy one shortens the predicted iteration (:func:`~poseidon_torch.simulate.timeline.fastest`, the
+        """Per layer with ``cheaper`` paths, the one it takes. Once the iteration can be modelled, a path only
+        where it shortens the predicted iteration (:func:`~poseidon_torch.simulate.timeline.fastest`, the
         simulator's model: the layers' backward on one compute lane, timed by the readiness the buckets
-        were learned from, each layer's sync a job on the link, a path's compute on the compute lane)."""
-        exact = {name: next((path for path, _ in paths if self.paths[path].exact), self.default)
-                 for name, paths in cheaper.items()}
-        lossy = {name: [(path, predicted) for path, predicted in paths if not self.paths[path].exact]
-                 for name, paths in cheaper.items()}
-        plan = dict(exact)
-        if self._modelled() and any(lossy.values()):
-            profile, layers = self._iteration_profile()
-            options = []
-            for i, name in enumerate(layers):
-                params = self._layer_params(name)
-                nbytes = flat_numel(sum(p.numel() for p in params), len(params)) * params[0].element_size()
-                base = exact.get(name, self.default)
-                options.append([_job(name, i, self.paths[base], self._predict(self.paths[base], nbytes, params,
-                                                                                 self.fc.get(name))),
-                                *(_job(name, i, self.paths[path], predicted) for path, predicted in lossy.get(name, ()))])
-            plan.update((name, job.path) for name, job in zip(layers, self._timed_plan(profile, options)))
-        return {name: path for name, path in plan.items() if path != self.default}
+        were learned from, each layer's sync a job on the link, a path's compute on the compute lane); a
+        sync hidden under the backward stays on the default path, whatever a path would save on it. Until
+        then (lossy paths wait for the model) the fastest exact path by its sync alone."""
+        if not self._modelled():
+            exact = {name: next((path for path, _ in paths if self.paths[path].exact), self.default)
+                     for name, paths in cheaper.items()}
+            return {name: path for name, path in exact.items() if path != self.default}
+        if not any(cheaper.values()):
+            return {}
+        profile, layers = self._iteration_profile()
+        options = []
+        for i, name in enumerate(layers):
+            params = self._layer_params(name)
+            nbytes = flat_numel(sum(p.numel() for p in params), len(params)) * params[0].element_size()
+            default = self._predict(self.paths[self.default], nbytes, params, self.fc.get(name))
+            options.append([_job(name, i, self.paths[self.default], default),
+                            *(_job(name, i, self.paths[path], predicted) for path, predicted in cheaper.get(name, ()))])
+        return {job.name: job.path for job in self._timed_plan(profile, options) if job.path != self.default}
 
     def _timed_plan(self, profile: Profile, options: list[list[Job]]) -> list[Job]:
         """:func:`~poseidon_torch.simulate.timeline.fastest` of ``options``, remembered for the next pass:
@@ -400,14 +402,14 @@ class Coordinator:
     # ---- what a checkpoint carries --------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """With a lossy path named or forced: the synced passes so far (each path's ``start_iter`` counts
-        them), the layers on a lossy path, which a resumed engine's first pass keeps there, and the
-        readiness times the plans are modelled with, so a resumed run plans as the saved one would (empty
-        otherwise: exact paths need nothing). A plan still due (a pass settled early, for a checkpoint) is
+        """With a lossy path named or forced, or an FC layer SFB may take: the synced passes so far (each
+        path's ``start_iter`` counts them), the layers on a lossy path, which a resumed engine's first pass
+        keeps there, and the readiness times the plans are modelled with, so a resumed run plans as the
+        saved one would (empty otherwise: the default path needs nothing). A plan still due (a pass settled early, for a checkpoint) is
         the one the next pass takes: its lossy layers are saved, and it stays due."""
         chosen = self._plan()[0] if self._plan_due else self.chosen
         lossy = {name: path for name, path in chosen.items() if not self.paths[path].exact}
-        if not (lossy or self.lossy):
+        if not (lossy or self.lossy or self.fc):
             return {}
         state = {"passes": self.passes, "lossy": lossy}
         if self.ready_s is not None:

@@ -116,6 +116,25 @@ def test_poseidon_takes_sfb_where_it_is_cheaper_and_grows_with_the_machines():
     assert rows[2].iteration_s < predict(profile, ["wfbp"], [2], LINK)[0].iteration_s
 
 
+def test_poseidon_leaves_an_fc_layer_on_ps_where_its_sync_hides_under_the_backward():
+    """The FC layer of the test above ready first, with 3 s of backward after it: its PS sync (0.81 s)
+    hides, so SFB, faster by its sync alone, would only add its rebuild to the compute lane. It stays PS
+    and poseidon predicts wfbp's iteration (the README's example at 10 Gbit/s predicted poseidon slower
+    than wfbp when SFB was chosen by its sync alone). Pipelined, likewise."""
+    fc = LayerProfile("fc", 8_004_000, 1.0, FCShape(1000, 2000, 4), tensors=2)
+    profile = Profile((fc, LayerProfile("conv", 400_000, 3.0)), 0.5, gemm_flops=1e9)
+    assert Poseidon.cheaper_paths(fc, profile, 2, LINK)[0][0] == "SFB"
+    for scheme, wfbp in (("poseidon", "wfbp"), ("poseidon+delay", "wfbp+delay")):
+        (row,) = predict(profile, [scheme], [2], LINK)
+        assert row.sfb_layers == ()
+        assert row.iteration_s == pytest.approx(predict(profile, [wfbp], [2], LINK)[0].iteration_s, rel=1e-12)
+    # a slower link exposes the sync: then SFB pays
+    slow = LinkModel(0.01, 1e-6)
+    (row,) = predict(profile, ["poseidon"], [2], slow)
+    assert row.sfb_layers == ("fc",)
+    assert row.iteration_s < predict(profile, ["wfbp"], [2], slow)[0].iteration_s
+
+
 def test_a_lossy_scheme_compresses_a_layer_only_where_its_model_predicts_a_shorter_iteration():
     """poseidon+int8 at 27 Mbit/s (a quarter of the bytes for 22 ns of compute per element at 20 GB/s): the
     bottom layer, ready last, its sync exposed, goes to the 8-bit path and the iteration gets 11% shorter;
@@ -242,16 +261,16 @@ def test_bytes_and_plan_match_the_engines_counters(cluster, tmp_path, hybrid, co
     """The simulator fed the traced run's own trace, at its machines and link, sends what the engine
     counted (mean over ranks) and takes the same layers off the PS path, to the same paths: SFB, or with
     ``compression="int8"`` the 8-bit path where the coordinator's model (bytes, and the compression
-    compute at the probed memory bandwidth the trace records) predicts the iteration shorter. That choice
-    depends on when each layer's gradients were ready: the engine times it with the readiness of its
-    first pass, the simulator with the trace's medians, so there the simulator is given the engine's
+    compute at the probed memory bandwidth the trace records) predicts the iteration shorter. Those
+    choices depend on when each layer's gradients were ready: the engine times them with the readiness of
+    its first pass, the simulator with the trace's medians, so the simulator is given the engine's
     readiness (the profile's layers one job each, as the coordinator times them): one model, one plan."""
     results = cluster.run(simulate_workers.traced_bytes, str(tmp_path), hybrid, compression)
     profile = from_trace(tmp_path / "trace_merged.json")
     link = LinkModel(**profile.link)
     scheme = "wfbp" if not hybrid else "poseidon" if compression is None else f"poseidon+{compression}"
     ready_s = results[0]["ready_s"]
-    assert (ready_s is not None) == (compression is not None) and all(r["ready_s"] == ready_s for r in results)
+    assert (ready_s is not None) == hybrid and all(r["ready_s"] == ready_s for r in results)
     if ready_s is not None:
         profile = as_timed_by_the_coordinator(profile, ready_s)
     (row,) = predict(profile, [scheme], [cluster.world_size], link)

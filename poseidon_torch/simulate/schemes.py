@@ -9,10 +9,11 @@ what it costs. The timeline (:mod:`.timeline`) is the same for all of them.
   layer for a profile without them);
 - ``poseidon``: WFBP plus the coordinator's per-layer choice at that number of machines: a layer for
   which a path chosen by cost (``Path.by_cost``, e.g. SFB for an FC layer) is predicted to sync faster
-  than the default path is a job of its own and takes the fastest such exact path (SFB's cost grows
-  with the machines, PS's does not); its link
-  part uses the link, its compute part (SFB's rebuild GEMM) the compute lane (it runs on the same cores
-  or GPU as the backward);
+  than the default path is a job of its own (as the engine gives it a bucket of its own), and takes the
+  candidate that shortens the predicted iteration most, the default path where none does
+  (:func:`~.timeline.fastest`, as the coordinator chooses: a sync hidden under the backward stays on the
+  default path). SFB's cost grows with the machines, PS's does not; its link part uses the link, its
+  compute part (SFB's rebuild GEMM) the compute lane (it runs on the same cores or GPU as the backward);
 - ``poseidon+int8``, ``poseidon+bf16``, ``poseidon+fp16``: ``PoseidonDDP(compression=...)``: the same
   choice with that lossy path among the candidates, costed as the coordinator costs it (its bytes, and
   its compression compute at the profile's memory bandwidth, on the compute lane), a layer going on it
@@ -90,10 +91,9 @@ class WFBP(Scheme):
 class Poseidon(Scheme):
     """The coordinator's choice; ``compression``: the lossy path ``compression=`` names (its option, e.g.
     ``"int8"``), or None. A layer some path chosen by cost syncs faster than the default path is a job of
-    its own (as the engine gives it a bucket of its own), on the exact path whose sync is fastest (the
-    default one if none is faster), or on a lossy path where that shortens the predicted iteration
-    (:func:`~.timeline.fastest`, as the coordinator chooses); the rest of its traced bucket is one job on
-    the default path."""
+    its own (as the engine gives it a bucket of its own), on the candidate (exact or lossy) that shortens
+    the predicted iteration, or on the default path where none does (:func:`~.timeline.fastest`, as the
+    coordinator chooses); the rest of its traced bucket is one job on the default path."""
 
     def __init__(self, compression: str | None = None) -> None:
         self.name = "poseidon" if compression is None else f"poseidon+{compression}"
@@ -110,11 +110,10 @@ class Poseidon(Scheme):
                     rest.append(layer)
                     continue
                 after = index[layer.name]
-                jobs = [Job(layer.name, after, predicted.seconds - predicted.compute_s, predicted.bytes, path,
-                            predicted.compute_s, lossy=not PATHS[path].exact) for path, predicted in cheaper]
-                exact = [job for job in jobs if PATHS[job.path].exact]
-                base = exact[0] if exact else _ps_job([layer], after, hosts, profile.element_size, link)
-                options.append([base, *(job for job in jobs if not PATHS[job.path].exact)])
+                options.append([_ps_job([layer], after, hosts, profile.element_size, link),
+                                *(Job(layer.name, after, predicted.seconds - predicted.compute_s, predicted.bytes,
+                                      path, predicted.compute_s, lossy=not PATHS[path].exact)
+                                  for path, predicted in cheaper)])
             if rest:
                 options.append([_ps_job(rest, index[rest[-1].name], hosts, profile.element_size, link)])
         options.sort(key=lambda jobs: jobs[0].after)
