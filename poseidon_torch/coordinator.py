@@ -275,6 +275,9 @@ class Coordinator:
             if forced is not None:
                 chosen[name] = forced
                 continue
+            if self._resumed_lossy(name):
+                chosen[name] = self.chosen[name]
+                continue
             paths = self._cheaper(name)
             if paths and not self._started(paths[0][0]):
                 waiting[name] = paths[0][0]
@@ -282,6 +285,14 @@ class Coordinator:
             if started:
                 cheaper[name] = started
         return {**chosen, **self._fastest(cheaper)}, waiting
+
+    def _resumed_lossy(self, name: str) -> bool:
+        """Whether layer ``name`` is on the lossy path a checkpoint put it on and the iteration cannot be
+        modelled yet (a resumed engine's first pass plans before it learns its buckets): it stays there
+        until the model re-plans it at learning, as the saved run, which had the model, would have kept
+        it (not on the exact path a blind plan would give it for one pass)."""
+        path = self.chosen.get(name)
+        return path is not None and not self.paths[path].exact and not self._modelled()
 
     def _started(self, path: str) -> bool:
         """Whether ``path`` may carry a layer chosen by cost this pass: an exact one always, a lossy one

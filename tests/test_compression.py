@@ -367,6 +367,20 @@ def test_a_pipe_sgd_checkpoint_carries_the_plan_its_pass_in_flight_leads_to(clus
             assert torch.equal(b["params"][-1][name], value), (rank, name)
 
 
+def test_a_resumed_run_keeps_the_lossy_paths_until_its_model_is_learned(cluster):
+    """INT8 chosen by cost at a few rows, where the FC layers it does not take stay on SFB: a resumed
+    engine's first pass plans before it has learned its buckets, so with no model yet it put the layers
+    the checkpoint had on INT8 on their blind exact choice (SFB) for the second pass, one pass off the
+    straight run's plan. From its second pass on, the resumed run takes every step's paths as the straight
+    one (its first runs the FC layers on the default path: SFB is exact, so a checkpoint does not carry it)."""
+    options = {"link": LinkModel.from_gbps(1e-4), "compression": {"int8": {"start_iter": 1}}}
+    straight = cluster.run(cw.train, SPEC, options, 6, 3)
+    resumed = cluster.run(cw.train, SPEC, options, 6, 3, 3)
+    for rank, (a, b) in enumerate(zip(straight, resumed)):
+        assert "INT8" in a["outcomes"][3].values() and "SFB" in a["outcomes"][3].values(), a["outcomes"][3]
+        assert b["outcomes"][4:] == a["outcomes"][4:], (rank, a["outcomes"][4:], b["outcomes"][4:])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("compression", ["powersgd", "bf16"])
 def test_training_is_deterministic_and_identical_on_every_rank(cluster, compression):
