@@ -272,9 +272,8 @@ def test_a_streaming_run_stops_at_a_step_of_its_own_fragment_schedule() -> None:
     """The stop rule of a streaming mode meets where its syncs land: with 16 steps in 8 fragments and
     ``delay=1``, a sync every 2 steps, so once rank 0 has done n steps every rank can still stop after the
     first 2k > n (+ delay - 1). The rule had used one fragment per step whatever --streaming-fragments
-    said (stop after n + 1), a step a rank ahead by the schedule may already have run past; a 10 Mbit/s
-    run of poseidon-streaming-int8 at 16 steps in 8 fragments then hung at its end (rank 0 in backward
-    until the runner's timeout), the likely cause."""
+    said (stop after n + 1), a step a rank ahead by the schedule may already have run past, so the ranks
+    could stop after different steps and miss each other's last syncs."""
     from poseidon_torch.bench.accuracy.worker import consensus_for
     from poseidon_torch.bench.baselines import Baselines
 

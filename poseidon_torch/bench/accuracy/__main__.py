@@ -65,7 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, help="report the metric at this many training seconds "
                                                      "(default: the shortest run's)")
     parser.add_argument("--tiny", action="store_true", help="shrunken models (smoke tests)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds each rank may run")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds each rank may run, wall clock: evaluations included (a periodic mode's "
+                             "first averages the model over the link, 10 s per evaluation at 10 Mbit/s for lm-wide)")
     parser.add_argument("--out", type=Path, default=Path("accuracy_out"))
     add_baseline_arguments(parser)
     args = parser.parse_args(argv)
