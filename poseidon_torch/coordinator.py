@@ -416,8 +416,9 @@ class Coordinator:
         """With a lossy path named or forced, or an FC layer SFB may take: the synced passes so far (each
         path's ``start_iter`` counts them), the layers on a lossy path, which a resumed engine's first pass
         keeps there, and the readiness times the plans are modelled with, so a resumed run plans as the
-        saved one would (empty otherwise: the default path needs nothing). A plan still due (a pass settled early, for a checkpoint) is
-        the one the next pass takes: its lossy layers are saved, and it stays due."""
+        saved one would (empty otherwise: the default path needs nothing). A plan still due (a pass settled
+        early, for a checkpoint) is the one the next pass takes: its lossy layers are saved, and it stays
+        due."""
         chosen = self._plan()[0] if self._plan_due else self.chosen
         lossy = {name: path for name, path in chosen.items() if not self.paths[path].exact}
         if not (lossy or self.lossy or self.fc):
