@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from models import ModelSpec, batch, build
-from poseidon_torch import LinkModel, PoseidonDDP
+from patterns import slow_link
+from poseidon_torch import PoseidonDDP
 from training import shard
-from workers import slow_link
 
 STEPS, SKIP = 6, 3
 
@@ -25,17 +25,15 @@ def traced_delayed(rank: int, world_size: int, trace_dir: str) -> None:
     wrapped.close()
 
 
-def traced_bytes(rank: int, world_size: int, trace_dir: str, hybrid: bool, compression: str | None = None,
-                 slower: float = 1.0) -> dict:
-    """An MLP of four FC layers, each in a bucket of its own, traced over its last iterations on a link
-    (``slower`` times slower than ``slow_link()``) where SFB wins for the hidden layers (not the small
-    head; with ``compression``, the lossy path may win instead): the last iteration's bytes (every
-    path's) and each bucket's path."""
+def traced_bytes(rank: int, world_size: int, trace_dir: str, hybrid: bool, compression: str | None = None) -> dict:
+    """An MLP of four FC layers, each in a bucket of its own, traced over its last iterations on
+    ``slow_link()``, where SFB wins for the hidden layers (not the small head; with ``compression``, the
+    lossy path may win instead): the last iteration's bytes (every path's) and each bucket's path."""
     torch.manual_seed(0)
     spec = ModelSpec(widths=(48, 40, 24), batchnorm=False)
     model = build(spec, seed=0)
     wrapped = PoseidonDDP(model, timeout=60, trace_dir=trace_dir, trace_skip=SKIP, trace_iters=STEPS - SKIP,
-                          link=LinkModel.from_gbps(slow_link().bandwidth_gbps / slower, latency_us=1.0), hybrid=hybrid, fusion_bytes=0, compression=compression)
+                          link=slow_link(), hybrid=hybrid, fusion_bytes=0, compression=compression)
     for step in range(STEPS):
         x, y = batch(spec, step, 3, world_size)
         F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()

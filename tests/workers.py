@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models import ModelSpec, batch, build
+from patterns import slow_link
 from poseidon_torch import PoseidonDDP
 from poseidon_torch.paths import WrappedPath
 from training import OPTIMIZERS, Run, poseidon_options, shard, train
@@ -225,13 +226,6 @@ def trace_cut_short(rank: int, world_size: int, trace_dir: str, steps: int, skip
             F.mse_loss(wrapped(shard(x, rank, 2)), shard(y, rank, 2)).backward()
         wrapped.close()
     return {"warnings": [str(w.message) for w in caught if "tracer" in str(w.message)]}
-
-
-def slow_link():
-    """A link on which bytes dominate, so SFB wins for FC layers with small K."""
-    from poseidon_torch import LinkModel
-
-    return LinkModel.from_gbps(0.01, latency_us=1.0)
 
 
 class _BusyBackward(torch.autograd.Function):
