@@ -17,7 +17,7 @@ from poseidon_torch.simulate.cli import main as simulate_main
 from poseidon_torch.simulate import FCShape, Job, LayerProfile, Profile, bsp, from_trace, pipelined, predict
 from poseidon_torch.simulate.paper import vgg19_22k
 from poseidon_torch.simulate.schemes import SCHEMES, Poseidon
-from poseidon_torch.simulate.timeline import advance, fastest
+from poseidon_torch.simulate.timeline import _greedy, advance, fastest
 
 #: alpha 10 ms per message, 1e-7 s per byte (80 Mbit/s)
 LINK = LinkModel(0.01, 1e-7)
@@ -228,6 +228,27 @@ def test_every_layer_fastest_moves_off_its_default_shortens_the_iteration(layers
     for i, jobs in enumerate(options):
         if plan[i] != jobs[0]:
             assert planned < timeline(profile, [*plan[:i], jobs[0], *plan[i + 1:]]).iteration_s, (i, plan)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), layers=st.integers(1, 8), buckets=st.integers(1, 10))
+def test_fastest_times_each_change_from_its_layer_on_and_finds_the_whole_timelines_plan(data, layers, buckets):
+    """The search times a change from its bucket's layer on (the BSP timeline's state kept per layer, and
+    stopping where it meets the plan's again): the plan and its iteration are those of the search that
+    times every change over the whole timeline, to the bit (buckets ready after any layer, several or
+    none per layer, with compute after their sync)."""
+    seconds = st.sampled_from([0.0, 0.25, 0.5, 1.0, 3.0])
+    profile = Profile(tuple(LayerProfile(f"l{i}", 4, data.draw(seconds)) for i in range(layers)),
+                      forward_s=data.draw(st.sampled_from([1e-9, 0.5])), other_s=data.draw(seconds))
+    options = []
+    for b in range(buckets):
+        after = data.draw(st.integers(0, layers - 1))
+        paths = data.draw(st.lists(st.tuples(seconds, seconds, st.booleans()), min_size=1, max_size=3))
+        options.append([Job(f"b{b}", after, 4.0, 10, "PS"),
+                        *(Job(f"b{b}", after, s, 1, f"P{k}", c, lossy) for k, (s, c, lossy) in enumerate(paths))])
+    whole = _greedy(profile, options, lambda *args: bsp(*args), 1.0)  # not bsp itself: every change timed whole
+    replayed = _greedy(profile, options, bsp, 1.0)
+    assert replayed == whole
 
 
 def test_fastest_plans_hundreds_of_layers_in_seconds():

@@ -18,7 +18,9 @@ backward each becomes ready, and what it costs (:mod:`.schemes`):
 :func:`fastest` chooses, per bucket, among the jobs its candidate paths would run, the plan whose
 iteration is shortest in this model (a plan with a lossy job only where it is ``LOSSY_MIN_GAIN`` shorter
 than the exact one): the coordinator plans with it (from the engine's measured readiness
-times) and the simulator's ``poseidon`` schemes predict with it, so both decide with one model.
+times) and the simulator's ``poseidon`` schemes predict with it, so both decide with one model. The search
+times a change to one bucket from that bucket's layer on, where the BSP timeline's state was kept, and
+stops where the state meets the plan's again: the figures are the whole timeline's, to the bit.
 
 Every machine is alike (no stragglers): under BSP the iteration of one machine is everyone's.
 Invariants: ``iteration_s >= compute_s`` (no scheme is faster than no communication); jobs never
@@ -26,9 +28,11 @@ overlap on the link; a job never starts before it is ready.
 """
 from __future__ import annotations
 
+from bisect import insort
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from .profile import Profile
 
@@ -79,26 +83,48 @@ def bsp(profile: Profile, jobs: Sequence[Job], slowdown: float = 1.0) -> Timelin
     now, link_free, spans = profile.forward_s, 0.0, []
     rebuilds: deque[tuple[float, float]] = deque()  # (available at, seconds): in link order, so in time order
 
-    def compute(start: float, work: float) -> float:
-        if slowdown == 1.0:  # nothing to stretch: the spans need not be walked (fastest times many plans)
-            return start + work
+    def slowed(start: float, work: float) -> float:
         return advance(start, work, [(s.start_s, s.end_s) for s in spans], slowdown)
 
+    # without a slowdown the spans need not be walked (fastest times many plans)
+    compute = _unslowed if slowdown == 1.0 else slowed
     for index, layer in enumerate(profile.layers):
-        while rebuilds and rebuilds[0][0] <= now:
-            now = compute(now, rebuilds.popleft()[1])
-        now = compute(now, layer.backward_s)
-        for job in ready[index]:
-            start = max(now, link_free)
-            link_free = start + job.seconds
+        now, link_free = _layer(now, link_free, rebuilds, layer.backward_s, ready[index], compute, spans)
+    backward_end, end = _end(now, link_free, rebuilds, compute, profile.other_s)
+    return Timeline(end, profile.compute_s, backward_end, tuple(spans))
+
+
+def _layer(now: float, link_free: float, rebuilds: deque[tuple[float, float]], backward_s: float,
+           jobs: Iterable[Job], compute: Callable[[float, float], float], spans: list[JobSpan] | None
+           ) -> tuple[float, float]:
+    """One layer of a BSP timeline: the compute lane runs the rebuilds available by ``now``, then the
+    layer's backward; the link then takes the ``jobs`` it made ready, each job's compute queued on
+    ``rebuilds`` (each span recorded in ``spans``). The compute lane's time and when the link is free."""
+    while rebuilds and rebuilds[0][0] <= now:
+        now = compute(now, rebuilds.popleft()[1])
+    now = compute(now, backward_s)
+    for job in jobs:
+        start = max(now, link_free)
+        link_free = start + job.seconds
+        if spans is not None:
             spans.append(JobSpan(job, start, link_free))
-            if job.compute_s:
-                rebuilds.append((link_free, job.compute_s))
+        if job.compute_s:
+            rebuilds.append((link_free, job.compute_s))
+    return now, link_free
+
+
+def _end(now: float, link_free: float, rebuilds: Iterable[tuple[float, float]],
+         compute: Callable[[float, float], float], other_s: float) -> tuple[float, float]:
+    """After the last layer: the end of the backward, and of the iteration (the rebuilds still queued,
+    the link's last job, then ``other_s``)."""
     backward_end = now
     for available, work in rebuilds:
         now = compute(max(now, available), work)
-    end = max(now, link_free) + profile.other_s
-    return Timeline(end, profile.compute_s, backward_end, tuple(spans))
+    return backward_end, max(now, link_free) + other_s
+
+
+def _unslowed(start: float, work: float) -> float:
+    return start + work
 
 
 def pipelined(profile: Profile, jobs: Sequence[Job], slowdown: float = 1.0) -> Timeline:
@@ -146,25 +172,99 @@ def _greedy(profile: Profile, options: Sequence[Sequence[Job]], timeline: Callab
     A later bucket's choice can hide the sync an earlier one shortened, so then, until none is left, every
     bucket that would not lengthen the iteration back on its default goes back (ties keep the default: a
     sync hidden under compute gains nothing from a path that sends less but computes more)."""
-    plan = [jobs[0] for jobs in options]
-
-    def iteration_with(i: int, job: Job) -> float:
-        return timeline(profile, [*plan[:i], job, *plan[i + 1:]], slowdown).iteration_s
-
-    best = timeline(profile, plan, slowdown).iteration_s
+    defaults = [jobs[0] for jobs in options]
+    plan = _Replay(profile, defaults) if timeline is bsp and slowdown == 1.0 else _Whole(profile, defaults, timeline, slowdown)
     saving = [jobs[0].seconds - min(job.seconds for job in jobs) for jobs in options]
     for i in sorted(range(len(options)), key=lambda i: -saving[i]):
         for job in options[i][1:]:
-            seconds = iteration_with(i, job)
-            if seconds < best * (1.0 - _TIE):
-                plan[i], best = job, seconds
+            seconds = plan.iteration_with(i, job)
+            if seconds < plan.iteration_s * (1.0 - _TIE):
+                plan.take(i, job, seconds)
     went_back = True
     while went_back:
         went_back = False
         for i, jobs in enumerate(options):
-            if plan[i] != jobs[0] and not best < (seconds := iteration_with(i, jobs[0])) * (1.0 - _TIE):
-                plan[i], best, went_back = jobs[0], seconds, True
-    return plan
+            if plan.jobs[i] != jobs[0] and not plan.iteration_s < (seconds := plan.iteration_with(i, jobs[0])) * (1.0 - _TIE):
+                plan.take(i, jobs[0], seconds)
+                went_back = True
+    return plan.jobs
+
+
+class _Whole:
+    """A plan under search, each change timed by its whole ``timeline``."""
+
+    def __init__(self, profile: Profile, jobs: list[Job], timeline: Callable[..., Timeline], slowdown: float) -> None:
+        self.profile, self.jobs, self.timeline, self.slowdown = profile, jobs, timeline, slowdown
+        self.iteration_s = timeline(profile, jobs, slowdown).iteration_s
+
+    def iteration_with(self, i: int, job: Job) -> float:
+        """The iteration with bucket ``i`` on ``job`` instead."""
+        return self.timeline(self.profile, [*self.jobs[:i], job, *self.jobs[i + 1:]], self.slowdown).iteration_s
+
+    def take(self, i: int, job: Job, iteration_s: float) -> None:
+        """Bucket ``i`` on ``job``, the plan's iteration then ``iteration_s``."""
+        self.jobs[i], self.iteration_s = job, iteration_s
+
+
+class _Replay:
+    """A plan under search on the BSP timeline without slowdown, its state before each layer kept (the
+    compute lane's time, when the link is free, the rebuilds queued: a slice of the plan's rebuilds in the
+    order they were queued): a change to a bucket is timed from its job's layer on, and stops where the
+    state meets the plan's again (the rest of the timeline is then the plan's). Every figure is the one
+    :func:`bsp` gives, to the bit (the same operations in the same order)."""
+
+    def __init__(self, profile: Profile, jobs: list[Job]) -> None:
+        _check(profile, jobs, 1.0)
+        self.profile, self.jobs = profile, jobs
+        self.ready: list[list[int]] = [[] for _ in profile.layers]  #: per layer, the buckets it makes ready
+        for i, job in enumerate(jobs):
+            self.ready[job.after].append(i)
+        #: before each layer: (compute lane's time, link free at, first and end index of ``queued``)
+        self.states: list[tuple[float, float, int, int]] = [(profile.forward_s, 0.0, 0, 0)] * len(profile.layers)
+        self.queued: list[tuple[float, float]] = []  #: the plan's rebuilds (available at, seconds), in queue order
+        self.iteration_s = self._run(0, None)
+
+    def iteration_with(self, i: int, job: Job) -> float:
+        """The iteration with bucket ``i`` on ``job`` instead (a job after another layer: timed whole)."""
+        if job.after != self.jobs[i].after:
+            return bsp(self.profile, [*self.jobs[:i], job, *self.jobs[i + 1:]]).iteration_s
+        return self._run(job.after, (i, job))
+
+    def take(self, i: int, job: Job, iteration_s: float) -> None:
+        """Bucket ``i`` on ``job`` (``iteration_s``, what :meth:`iteration_with` gave, is timed again from
+        the job's layer on, its states recorded)."""
+        start = min(job.after, self.jobs[i].after)
+        if job.after != self.jobs[i].after:
+            self.ready[self.jobs[i].after].remove(i)
+            insort(self.ready[job.after], i)
+        self.jobs[i] = job
+        self.iteration_s = self._run(start, None)
+
+    def _run(self, start: int, changed: tuple[int, Job] | None) -> float:
+        """The iteration from layer ``start`` on: with bucket ``changed[0]`` on ``changed[1]`` (stopping
+        where the state meets the plan's), or with the plan's jobs, recording its states."""
+        now, link_free, first, end = self.states[start]
+        rebuilds = deque(self.queued[first:end])
+        record = changed is None
+        if record:
+            del self.queued[end:]
+        for index in range(start, len(self.profile.layers)):
+            if index > start and record:
+                self.states[index] = (now, link_free, len(self.queued) - len(rebuilds), len(self.queued))
+            elif index > start and self._meets(index, now, link_free, rebuilds):
+                return self.iteration_s
+            jobs = [changed[1] if changed is not None and b == changed[0] else self.jobs[b] for b in self.ready[index]]
+            spans: list[JobSpan] | None = [] if record else None
+            now, link_free = _layer(now, link_free, rebuilds, self.profile.layers[index].backward_s, jobs, _unslowed, spans)
+            if record:
+                self.queued += [(span.end_s, span.job.compute_s) for span in spans if span.job.compute_s]
+        return _end(now, link_free, rebuilds, _unslowed, self.profile.other_s)[1]
+
+    def _meets(self, index: int, now: float, link_free: float, rebuilds: deque[tuple[float, float]]) -> bool:
+        """Whether this state before layer ``index`` is the plan's."""
+        plan_now, plan_link_free, first, end = self.states[index]
+        return (now == plan_now and link_free == plan_link_free and len(rebuilds) == end - first
+                and all(mine == theirs for mine, theirs in zip(rebuilds, islice(self.queued, first, end))))
 
 
 def advance(now: float, work: float, busy: Sequence[tuple[float, float]], slowdown: float) -> float:
