@@ -44,6 +44,7 @@ import json
 import math
 import os
 import warnings
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,9 @@ from .paths import BucketCost, FCCost, Path, Paths, Prediction
 from .paths import names as path_names
 from .simulate.profile import LayerProfile, Profile
 from .simulate.timeline import Job, fastest
+
+#: timed plans a coordinator remembers, by their options (:meth:`Coordinator._timed_plan`)
+PLANS_KEPT = 32
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ class Coordinator:
         #: were first learned from (rank 0's, shared), or a checkpoint's: the iteration model's compute lane
         self.ready_s: dict[str, float] | None = None
         self._planned_blind = False  #: the current plan was made before the iteration could be modelled
-        self._last_timed: tuple[tuple, list[Job]] | None = None  #: the last timed plan's options and result
+        self._timed: OrderedDict[tuple, list[Job]] = OrderedDict()  #: timed plans by their options, oldest first
         #: the mode's syncs overlap the next step (Pipe-SGD): plans are timed as a pipeline, not BSP
         self.pipelined = pipelined
         self.routed: str | None = None  #: the path every bucket takes, whatever the plan (:meth:`route_all`)
@@ -366,13 +370,18 @@ class Coordinator:
         return {job.name: job.path for job in self._timed_plan(profile, options) if job.path != self.default}
 
     def _timed_plan(self, profile: Profile, options: list[list[Job]]) -> list[Job]:
-        """:func:`~poseidon_torch.simulate.timeline.fastest` of ``options``, remembered for the next pass:
-        a few hundred layers cost it a few tenths of a second, and the options change only with a path's
-        start, an FC layer's K or a sticky fact (the profile only with a checkpoint's readiness)."""
+        """:func:`~poseidon_torch.simulate.timeline.fastest` of ``options``, the last ``PLANS_KEPT`` remembered:
+        a few hundred layers cost it a tenth of a second or more, and the options change only with a path's
+        start, an FC layer's K or a sticky fact (the profile only with a checkpoint's readiness), so a model
+        whose K takes a few values (lengths padded to a multiple, or bucketed) times each plan once."""
         key = profile, tuple(map(tuple, options))
-        if self._last_timed is None or self._last_timed[0] != key:
-            self._last_timed = key, fastest(profile, options, self.pipelined)
-        return self._last_timed[1]
+        plan = self._timed.pop(key, None)
+        if plan is None:
+            plan = fastest(profile, options, self.pipelined)
+        self._timed[key] = plan
+        if len(self._timed) > PLANS_KEPT:
+            self._timed.popitem(last=False)
+        return plan
 
     def _iteration_profile(self) -> tuple[Profile, list[str]]:
         """Every layer with parameters as the timeline's compute lane, in the order they became ready,

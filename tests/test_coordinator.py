@@ -303,6 +303,26 @@ def test_plan_printout_wraps_fused_names_and_says_when_the_gemm_was_not_probed()
     assert "1e-09" not in text
 
 
+def test_a_plan_timed_once_for_its_options_is_remembered_when_they_come_back():
+    """A model whose FC layers' K alternates between two values (lengths padded to a multiple) times the
+    iteration once per value: the options of a K seen recently give back the plan timed for them."""
+    from unittest import mock
+
+    from poseidon_torch import coordinator as coordinator_module
+
+    fc = layers(("a", 512, 512), ("b", 512, 512))
+    buckets = alone(fc)
+    c = Coordinator(fc, 2, LinkModel.from_gbps(0.1, latency_us=1.0), GEMM_FLOPS, layers=[b.layers[0] for b in buckets])
+    c.buckets_changed(buckets, learned=True, ready_s={"a": 0.0, "b": 1e-3})
+    plans = []
+    with mock.patch.object(coordinator_module, "fastest", wraps=coordinator_module.fastest) as timed:
+        for k in (8, 16, 8, 16, 8):
+            c.observe(facts(c, [{"a": (k, 0), "b": (k, 0)}] * 2), 0)
+            plans.append(c.on("SFB"))
+    assert plans == [{"a", "b"}] * 5
+    assert timed.call_count == 2
+
+
 def test_in_parameter_server_mode_sfb_is_charged_the_pull_of_new_values():
     """A 64x64 layer at K = 24, P = 2, on a link where bytes decide: the factor all-gather alone (12.3 KB)
     beats PS (16.7 KB), but with a ServerOptimizer the new values come back by pull (+8.3 KB): PS wins."""
