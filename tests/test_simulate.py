@@ -251,6 +251,15 @@ def test_fastest_times_each_change_from_its_layer_on_and_finds_the_whole_timelin
     assert replayed == whole
 
 
+@pytest.mark.parametrize("after", [1.0, "0", -1, 2])
+def test_a_job_that_waits_for_no_layer_index_is_refused(after):
+    profile = Profile((LayerProfile("a", 4, 1.0), LayerProfile("b", 4, 1.0)), forward_s=1.0)
+    options = [[Job("x", after, 5.0, 1, "PS"), Job("x", after, 1.0, 1, "SFB")]]
+    for plan in (lambda: bsp(profile, options[0]), lambda: fastest(profile, options)):
+        with pytest.raises(ValueError, match="job 'x' waits for layer .*: a layer's index, and the profile has 2"):
+            plan()
+
+
 def test_fastest_plans_hundreds_of_layers_in_seconds():
     """The coordinator times a plan per candidate layer: on a 500-layer model every layer has a lossy
     candidate. Each timeline without slowdown is linear in the layers (walking every span for every

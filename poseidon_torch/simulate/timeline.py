@@ -32,7 +32,7 @@ from bisect import insort
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice
+from numbers import Integral
 
 from .profile import Profile
 
@@ -219,7 +219,8 @@ class _Replay:
         self.ready: list[list[int]] = [[] for _ in profile.layers]  #: per layer, the buckets it makes ready
         for i, job in enumerate(jobs):
             self.ready[job.after].append(i)
-        #: before each layer: (compute lane's time, link free at, first and end index of ``queued``)
+        self.ready_jobs = [[jobs[i] for i in buckets] for buckets in self.ready]  #: and their jobs in the plan
+        #: before each layer: (compute lane's time, link free at, number of the first rebuild queued and of the next)
         self.states: list[tuple[float, float, int, int]] = [(profile.forward_s, 0.0, 0, 0)] * len(profile.layers)
         self.queued: list[tuple[float, float]] = []  #: the plan's rebuilds (available at, seconds), in queue order
         self.iteration_s = self._run(0, None)
@@ -228,43 +229,55 @@ class _Replay:
         """The iteration with bucket ``i`` on ``job`` instead (a job after another layer: timed whole)."""
         if job.after != self.jobs[i].after:
             return bsp(self.profile, [*self.jobs[:i], job, *self.jobs[i + 1:]]).iteration_s
-        return self._run(job.after, (i, job))
+        return self._run(job.after, [job if b == i else self.jobs[b] for b in self.ready[job.after]])
 
     def take(self, i: int, job: Job, iteration_s: float) -> None:
         """Bucket ``i`` on ``job`` (``iteration_s``, what :meth:`iteration_with` gave, is timed again from
         the job's layer on, its states recorded)."""
-        start = min(job.after, self.jobs[i].after)
-        if job.after != self.jobs[i].after:
-            self.ready[self.jobs[i].after].remove(i)
+        before = self.jobs[i].after
+        if job.after != before:
+            self.ready[before].remove(i)
             insort(self.ready[job.after], i)
         self.jobs[i] = job
-        self.iteration_s = self._run(start, None)
+        for layer in {before, job.after}:
+            self.ready_jobs[layer] = [self.jobs[b] for b in self.ready[layer]]
+        self.iteration_s = self._run(min(before, job.after), None)
 
-    def _run(self, start: int, changed: tuple[int, Job] | None) -> float:
-        """The iteration from layer ``start`` on: with bucket ``changed[0]`` on ``changed[1]`` (stopping
-        where the state meets the plan's), or with the plan's jobs, recording its states."""
-        now, link_free, first, end = self.states[start]
-        rebuilds = deque(self.queued[first:end])
+    def _run(self, start: int, changed: list[Job] | None) -> float:
+        """The iteration from layer ``start`` on: with ``changed`` the jobs layer ``start`` makes ready
+        (stopping where the state meets the plan's), or with the plan's, recording its states. The queue is
+        numbered as the plan's: the n-th rebuild queued since ``start`` is the plan's next n-th, so the
+        states meet where the compute lane, the link, the numbers of the queue's first and next rebuild
+        match and no rebuild left in it differs from the plan's (a change that queues more or fewer
+        rebuilds never meets: timed to the end, as right, only slower)."""
+        now, link_free, first, pushed = self.states[start]
+        rebuilds = deque(self.queued[first:pushed])
         record = changed is None
         if record:
-            del self.queued[end:]
-        for index in range(start, len(self.profile.layers)):
-            if index > start and record:
-                self.states[index] = (now, link_free, len(self.queued) - len(rebuilds), len(self.queued))
-            elif index > start and self._meets(index, now, link_free, rebuilds):
-                return self.iteration_s
-            jobs = [changed[1] if changed is not None and b == changed[0] else self.jobs[b] for b in self.ready[index]]
-            spans: list[JobSpan] | None = [] if record else None
-            now, link_free = _layer(now, link_free, rebuilds, self.profile.layers[index].backward_s, jobs, _unslowed, spans)
-            if record:
-                self.queued += [(span.end_s, span.job.compute_s) for span in spans if span.job.compute_s]
+            del self.queued[pushed:]
+        unlike = -1  #: the number of the last rebuild queued that differs from the plan's
+        layers, states, queued = self.profile.layers, self.states, self.queued
+        for index in range(start, len(layers)):
+            if index > start:
+                head = pushed - len(rebuilds)
+                if record:
+                    states[index] = (now, link_free, head, pushed)
+                else:
+                    plan_now, plan_link_free, plan_head, plan_pushed = states[index]
+                    if (now == plan_now and link_free == plan_link_free and head == plan_head
+                            and pushed == plan_pushed and unlike < head):
+                        return self.iteration_s
+            jobs = changed if index == start and changed is not None else self.ready_jobs[index]
+            now, link_free = _layer(now, link_free, rebuilds, layers[index].backward_s, jobs, _unslowed, None)
+            queued_here = sum(1 for job in jobs if job.compute_s)  # this layer's rebuilds: the queue's last
+            for n in range(queued_here, 0, -1):
+                entry = rebuilds[-n]
+                if record:
+                    queued.append(entry)
+                elif pushed >= len(queued) or queued[pushed] != entry:
+                    unlike = pushed
+                pushed += 1
         return _end(now, link_free, rebuilds, _unslowed, self.profile.other_s)[1]
-
-    def _meets(self, index: int, now: float, link_free: float, rebuilds: deque[tuple[float, float]]) -> bool:
-        """Whether this state before layer ``index`` is the plan's."""
-        plan_now, plan_link_free, first, end = self.states[index]
-        return (now == plan_now and link_free == plan_link_free and len(rebuilds) == end - first
-                and all(mine == theirs for mine, theirs in zip(rebuilds, islice(self.queued, first, end))))
 
 
 def advance(now: float, work: float, busy: Sequence[tuple[float, float]], slowdown: float) -> float:
@@ -289,5 +302,6 @@ def _check(profile: Profile, jobs: Sequence[Job], slowdown: float) -> None:
     if not slowdown >= 1.0:
         raise ValueError(f"a slowdown factor is >= 1 (1: communication does not slow compute), got {slowdown}")
     for job in jobs:
-        if not 0 <= job.after < len(profile.layers):
-            raise ValueError(f"job {job.name!r} waits for layer {job.after}, the profile has {len(profile.layers)}")
+        if not (isinstance(job.after, Integral) and 0 <= job.after < len(profile.layers)):
+            raise ValueError(f"job {job.name!r} waits for layer {job.after!r}: a layer's index, and the profile has "
+                             f"{len(profile.layers)}")
