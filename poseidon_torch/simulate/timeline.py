@@ -173,7 +173,8 @@ def _greedy(profile: Profile, options: Sequence[Sequence[Job]], timeline: Callab
     bucket that would not lengthen the iteration back on its default goes back (ties keep the default: a
     sync hidden under compute gains nothing from a path that sends less but computes more)."""
     defaults = [jobs[0] for jobs in options]
-    plan = _Replay(profile, defaults) if timeline is bsp and slowdown == 1.0 else _Whole(profile, defaults, timeline, slowdown)
+    replayed = timeline is bsp and slowdown == 1.0
+    plan = _Replay(profile, defaults) if replayed else _Whole(profile, defaults, timeline, slowdown)
     saving = [jobs[0].seconds - min(job.seconds for job in jobs) for jobs in options]
     for i in sorted(range(len(options)), key=lambda i: -saving[i]):
         for job in options[i][1:]:
@@ -184,7 +185,10 @@ def _greedy(profile: Profile, options: Sequence[Sequence[Job]], timeline: Callab
     while went_back:
         went_back = False
         for i, jobs in enumerate(options):
-            if plan.jobs[i] != jobs[0] and not plan.iteration_s < (seconds := plan.iteration_with(i, jobs[0])) * (1.0 - _TIE):
+            if plan.jobs[i] == jobs[0]:
+                continue
+            seconds = plan.iteration_with(i, jobs[0])
+            if not plan.iteration_s < seconds * (1.0 - _TIE):
                 plan.take(i, jobs[0], seconds)
                 went_back = True
     return plan.jobs
