@@ -180,7 +180,7 @@ def _greedy(profile: Profile, options: Sequence[Sequence[Job]], timeline: Callab
         for job in options[i][1:]:
             seconds = plan.iteration_with(i, job)
             if seconds < plan.iteration_s * (1.0 - _TIE):
-                plan.take(i, job, seconds)
+                plan.take(i, job)
     went_back = True
     while went_back:
         went_back = False
@@ -189,7 +189,7 @@ def _greedy(profile: Profile, options: Sequence[Sequence[Job]], timeline: Callab
                 continue
             seconds = plan.iteration_with(i, jobs[0])
             if not plan.iteration_s < seconds * (1.0 - _TIE):
-                plan.take(i, jobs[0], seconds)
+                plan.take(i, jobs[0])
                 went_back = True
     return plan.jobs
 
@@ -205,9 +205,10 @@ class _Whole:
         """The iteration with bucket ``i`` on ``job`` instead."""
         return self.timeline(self.profile, [*self.jobs[:i], job, *self.jobs[i + 1:]], self.slowdown).iteration_s
 
-    def take(self, i: int, job: Job, iteration_s: float) -> None:
-        """Bucket ``i`` on ``job``, the plan's iteration then ``iteration_s``."""
-        self.jobs[i], self.iteration_s = job, iteration_s
+    def take(self, i: int, job: Job) -> None:
+        """Bucket ``i`` on ``job``, the plan's iteration timed again."""
+        self.jobs[i] = job
+        self.iteration_s = self.timeline(self.profile, self.jobs, self.slowdown).iteration_s
 
 
 class _Replay:
@@ -235,9 +236,8 @@ class _Replay:
             return bsp(self.profile, [*self.jobs[:i], job, *self.jobs[i + 1:]]).iteration_s
         return self._run(job.after, [job if b == i else self.jobs[b] for b in self.ready[job.after]])
 
-    def take(self, i: int, job: Job, iteration_s: float) -> None:
-        """Bucket ``i`` on ``job`` (``iteration_s``, what :meth:`iteration_with` gave, is timed again from
-        the job's layer on, its states recorded)."""
+    def take(self, i: int, job: Job) -> None:
+        """Bucket ``i`` on ``job``, the plan timed again from the job's layer on, its states recorded."""
         before = self.jobs[i].after
         if job.after != before:
             self.ready[before].remove(i)
