@@ -496,6 +496,16 @@ def test_a_cast_compresses_over_a_slow_link_and_not_a_fast_one(lossy, path):
     assert plan_of(layers, 2, LinkModel.from_gbps(1.0), (lossy,)).layer_paths() == {"layers.0": "PS"}
 
 
+def test_powersgd_compresses_where_its_calibrated_compute_pays():
+    """With the calibrated compute (module docstring of paths/powersgd.py; memory at 10 GB/s here): a
+    1024 x 1024 layer at 2 ranks goes on PowerSGD over 1 Gbit/s (4.2 MB sent exactly: 34 ms) and stays
+    exact over 5 Gbit/s (6.7 ms), where its compute (7.6 ms) costs more than the bytes it saves; the
+    earlier count of nine passes (3.8 ms) put it on PowerSGD there too."""
+    layers = model_of((((1024, 1024),),))
+    assert plan_of(layers, 2, LinkModel.from_gbps(1.0), ("powersgd",)).layer_paths() == {"layers.0": "PowerSGD"}
+    assert plan_of(layers, 2, LinkModel.from_gbps(5.0), ("powersgd",)).layer_paths() == {"layers.0": "PS"}
+
+
 @pytest.mark.parametrize("lossy, path", [("int8", "INT8"), ("powersgd", "PowerSGD")])
 def test_a_sync_hidden_under_the_backward_stays_exact(lossy, path):
     """One model of the iteration (issue 48): a 1024 x 1024 layer over 0.1 Gbit/s syncs faster compressed.

@@ -24,8 +24,8 @@ Bytes one rank sends: those of the PS path for n + 4 ceil(n / B) bytes (n elemen
 last block's padding is not sent), plus the flags: 2 (P-1)/P of that, about a quarter of an fp32
 bucket's. Compute: a dozen passes over the bucket in memory (the
 residual added, the block maxima, the division and rounding, the new residual; at the owner the
-dequantized sum and its quantization; the dequantized average), costed as :data:`_BYTES_PER_ELEMENT`
-bytes per fp32 element at the probed memory bandwidth: a calibration, not a count (on the 2-core CI
+dequantized sum and its quantization; the dequantized average), costed as
+:attr:`~Int8Path.bytes_per_element` bytes per fp32 element at the probed memory bandwidth: a calibration, not a count (on the 2-core CI
 machine, one thread, 3.3 M elements: 11 ns of CPU per element on every rank, 14 at an owner for its
 chunk's elements with P = 2, 1.3 to apply: about 19 ns, against the probe's 23 GB/s). So on that
 machine it pays over 100 Mbit/s (a saved byte costs 80 ns there) and not over 10 Gbit/s.
@@ -49,8 +49,6 @@ from .ps import Chunk, Schedule, build_schedule, plan_chunks, predict_ps, run_me
 
 #: the largest magnitude of a quantized value
 _LEVELS = 127
-#: the compute of a sync per fp32 element, in bytes at the probed memory bandwidth (module docstring)
-_BYTES_PER_ELEMENT = 440
 
 
 def quantize(x: Tensor, values: Tensor, scales: Tensor) -> None:
@@ -90,6 +88,8 @@ class Int8Path(LossyPath):
     option = "int8"
     defaults: ClassVar[dict[str, int]] = {"start_iter": 1, "block": 256}
     minimums: ClassVar[dict[str, float]] = {"start_iter": 1, "block": 1}
+    bytes_per_element = 440  # module docstring
+    seconds_per_sync = 200e-6
 
     def __init__(self, env: PathEnv) -> None:
         super().__init__(env)
@@ -107,7 +107,7 @@ class Int8Path(LossyPath):
         values = sum(math.prod(shape) for shape in cost.shapes) if cost.shapes else elements
         side = -(-values // self.block) + elements - values  # the scales, then the flags
         sent, seconds = predict_ps(values + side * max(cost.element_size, 4), world_size, link)
-        compute_s = elements * _BYTES_PER_ELEMENT * max(cost.element_size, 4) / 4 / memory_bps
+        compute_s = self.seconds_per_sync + self.memory_seconds(elements, cost.element_size, memory_bps)
         return Prediction(sent, seconds + compute_s, compute_s)
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:

@@ -47,6 +47,11 @@ class LossyPath(Path):
     minimums: ClassVar[dict[str, float]] = {"start_iter": 1}
     #: what :meth:`state_dict` may hold
     state_keys: ClassVar[tuple[str, ...]] = ("residual",)
+    #: the compute of a sync, a calibration (``benchmarks/compression_compute.py``): its passes over memory
+    #: in bytes per fp32 element at the probed memory bandwidth, and its seconds whatever its size (the
+    #: few dozen operations a sync launches)
+    bytes_per_element: ClassVar[float] = 0.0
+    seconds_per_sync: ClassVar[float] = 0.0
     phase_labels = {"compress": "compression", "decompress": "decompression"}
 
     def __init__(self, env: PathEnv) -> None:
@@ -75,6 +80,12 @@ class LossyPath(Path):
         for key, value in given.items():
             _check_setting(shown, key, value, cls.defaults[key], cls.minimums.get(key))
         return {**cls.defaults, **given}
+
+    @classmethod
+    def memory_seconds(cls, elements: float, element_size: int, memory_bps: float) -> float:
+        """The calibrated passes over memory of a sync of ``elements`` of ``element_size`` bytes (computed
+        in at least fp32)."""
+        return elements * cls.bytes_per_element * max(element_size, 4) / 4 / memory_bps
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """What the path computes in for a bucket of ``dtype``: at least fp32."""

@@ -19,10 +19,12 @@ r' = min(r, rows, cols) shrinks it enough, r' (rows + cols) * ``min_compression_
 
 Bytes one rank sends: a ring all-reduce of each buffer, 2 (P-1)/P of (sum of rows * r' + uncompressed
 elements + flags) + 2 (P-1)/P of (sum of cols * r'), in the compute dtype (fp32 for half-precision
-buckets). Compute per compressed matrix: three rank-r' products (6 rows cols r' flops) and about nine
-passes over M in memory (add the residual, two products reading M, the product writing the average,
-the new residual), costed as the slower of the flops at the GEMM rate and those bytes at the memory
-bandwidth. Settings: ``rank`` (4), ``min_compression_rate`` (2), ``start_iter`` (torch's default of
+buckets). Compute per compressed matrix: three rank-r' products (6 rows cols r' flops) and the passes
+over M in memory (add the residual, two products reading M, the product writing the average, the new
+residual, the copies in and out), costed as the slower of the flops at the probed GEMM rate and
+:attr:`~PowerSGDPath.bytes_per_element` bytes per fp32 element at the probed memory bandwidth, plus
+:attr:`~PowerSGDPath.seconds_per_matrix` (the QR and a dozen operations per matrix, whatever its size): a
+calibration, not a count (CALIBRATION). Settings: ``rank`` (4), ``min_compression_rate`` (2), ``start_iter`` (torch's default of
 1000 synced passes on exact paths before the coordinator may choose this path by cost), ``seed`` (0)
 for the first Q of each parameter (drawn from its name, with a generator of its own: the user's random
 stream is untouched).
@@ -32,6 +34,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -104,6 +107,9 @@ class PowerSGDPath(LossyPath):
     defaults = {"rank": 4, "min_compression_rate": 2.0, "start_iter": 1000, "seed": 0}
     minimums = {"rank": 1, "min_compression_rate": 0.0, "start_iter": 1, "seed": 0}
     state_keys = ("residual", "q")
+    bytes_per_element = 72  # module docstring
+    #: the compute of a sync per compressed matrix whatever its size (module docstring)
+    seconds_per_matrix: ClassVar[float] = 60e-6
 
     def __init__(self, env: PathEnv) -> None:
         super().__init__(env)
@@ -123,14 +129,15 @@ class PowerSGDPath(LossyPath):
             return None
         size = max(cost.element_size, 4)
         first = flat_numel(0, len(cost.shapes))
-        second, compute_s = 0, 0.0
+        second, compute_s = 0, self.seconds_per_sync
         for shape, r in zip(cost.shapes, ranks):
             rows, cols = matrix_shape(shape)
             if not r:
                 first += rows * cols
                 continue
             first, second = first + rows * r, second + cols * r
-            compute_s += max(6.0 * rows * cols * r / gemm_flops, 9.0 * rows * cols * size / memory_bps)
+            memory_s = self.memory_seconds(rows * cols, cost.element_size, memory_bps)
+            compute_s += max(6.0 * rows * cols * r / gemm_flops, memory_s) + self.seconds_per_matrix
         sent = ring_bytes_per_rank(first * size, world_size) + ring_bytes_per_rank(second * size, world_size)
         return Prediction(sent, link.seconds(sent, 4 * (world_size - 1)) + compute_s, compute_s)
 

@@ -21,7 +21,7 @@ One sync, with M = gradient + residual per parameter (``lossy.py``) and P ranks:
 Bytes one rank sends: those of the PS path for a buffer of the wire dtype, 2 (P-1)/P of (flat numel x
 2 bytes): half of an fp32 bucket's. Compute: a few passes over the bucket in memory (the residual
 added, the saturating cast, the new residual; the owner's sum and rounding; the upcast), costed as
-:data:`_BYTES_PER_ELEMENT` bytes per fp32 element at the probed memory bandwidth: a calibration, not a
+:attr:`~CastPath.bytes_per_element` bytes per fp32 element at the probed memory bandwidth: a calibration, not a
 count (on the 2-core CI machine, one thread, 3.3 M elements: 6.9 ns of CPU per element on every rank,
 8.1 at an owner for its chunk's elements with P = 2, 0.3 to apply: about 11 ns, against the probe's
 23 GB/s; the earlier count of 36 bytes predicted 7 times too little). Setting: ``start_iter`` (1: from the second synced pass on, as every path off the default
@@ -43,8 +43,6 @@ from .base import BucketCost, PathEnv, Prediction, SyncContext
 from .lossy import LossyPath, add_owner_rounding
 from .ps import Chunk, Schedule, build_schedule, plan_chunks, predict_ps, run_messages
 
-#: the compute of a sync per fp32 element, in bytes at the probed memory bandwidth (module docstring)
-_BYTES_PER_ELEMENT = 250
 
 
 @dataclass
@@ -59,6 +57,8 @@ class CastPath(LossyPath):
     """The bucket sent in ``wire_dtype`` through the chunk owners, with error feedback at both ends."""
 
     wire_dtype: ClassVar[torch.dtype] = torch.bfloat16
+    bytes_per_element = 250  # module docstring
+    seconds_per_sync = 80e-6
 
     def __init__(self, env: PathEnv) -> None:
         super().__init__(env)
@@ -73,7 +73,7 @@ class CastPath(LossyPath):
             return None
         elements = cost.nbytes / cost.element_size
         sent, seconds = predict_ps(elements * wire_size, world_size, link)
-        compute_s = elements * _BYTES_PER_ELEMENT * max(cost.element_size, 4) / 4 / memory_bps
+        compute_s = self.seconds_per_sync + self.memory_seconds(elements, cost.element_size, memory_bps)
         return Prediction(sent, seconds + compute_s, compute_s)
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
