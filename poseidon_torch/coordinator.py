@@ -16,7 +16,8 @@ implementation's traffic (``Path.predict``: the formulas the stats, the simulato
 share). A sync's prediction charges the default path only its bytes while the buckets are not learned
 (on it a layer can share a bucket, and its messages, with its neighbours; on a path of its own it is a
 job of its own), and its whole cost once they are. With ``pull_values`` (a mode that updates at the
-owners) a path that does not reduce at the owners is charged the owners' pull of the new values too. A
+owners) a path is costed as its job composed with that update (``Path.predict_update``: its reduction,
+then the owners' pull of the new values; the default path's push is its reduction). A
 path's prediction includes its compute (SFB's rebuild; a lossy path's compression and decompression, at
 the probed GEMM rate and memory bandwidth, ``memory_bps``).
 
@@ -407,17 +408,16 @@ class Coordinator:
     def _predict(self, path: Path, nbytes: float, params: Sequence[torch.nn.Parameter],
                  layer: FCLayer | None) -> Prediction | None:
         """``path``'s prediction for a bucket of ``nbytes`` holding ``params`` (``layer``: its FC layer alone,
-        at last pass's K), with the owners' pull of the new values when ``pull_values`` and the path does not
-        reduce there."""
+        at last pass's K); with ``pull_values``, of its job composed with the update at the owners
+        (``Path.predict_update``)."""
         element_size = params[0].element_size() if params else 4
         param_bytes = sum(p.numel() for p in params) * element_size
         fc = FCCost(layer.m, layer.n, self.k_max[layer.name], element_size) if layer is not None else None
         cost = BucketCost(nbytes, param_bytes, fc, tuple(tuple(p.shape) for p in params), element_size)
-        predicted = path.predict(cost, self.world_size, self.link, self.gemm_flops, self.memory_bps)
-        if predicted is None or not self.pull_values or path.reduces_at_owners:
-            return predicted
+        if not self.pull_values:
+            return path.predict(cost, self.world_size, self.link, self.gemm_flops, self.memory_bps)
         pull = self.paths.default.predict_pull(param_bytes, self.world_size, self.link)
-        return Prediction(predicted.bytes + pull.bytes, predicted.seconds + pull.seconds, predicted.compute_s)
+        return path.predict_update(cost, self.world_size, self.link, self.gemm_flops, self.memory_bps, pull)
 
     # ---- what a checkpoint carries --------------------------------------------------------------------
 

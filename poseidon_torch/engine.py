@@ -557,8 +557,10 @@ class Engine:
         early part averaged without the late one): :meth:`_write` syncs all of it again."""
         for bucket, ctx in zip(self.buckets, p.contexts):
             path = self.paths[ctx.path]
-            if grads is None or p.shadow:
+            if p.shadow or (grads is None and facts.aborted):
                 path.forget(bucket)
+            elif grads is None:  # the owners stepped from the averages (a ServerOptimizer)
+                path.settle(bucket, facts.late[bucket.index])
             elif facts.aborted:
                 path.keep_local(bucket)
             else:

@@ -100,6 +100,51 @@ def given_run(rank: int, world_size: int, layers: Layers, path: str, steps: int,
     return out
 
 
+
+def given_server_run(rank: int, world_size: int, layers: Layers, path: str, steps: int, dtype: torch.dtype,
+                     settings: dict | None = None, resume_at: int | None = None, server: dict | None = None
+                     ) -> dict:
+    """``steps`` steps of :class:`Given` (parameters from zero) under a ``ServerOptimizer`` (plain SGD at
+    lr 1, so the parameters are minus the sum of the applied averages) with ``path`` forced on every layer
+    and named by ``compression=`` (``settings``); ``server``: more ``ServerOptimizer`` options. Per step
+    the parameters after ``step()``, the outcomes and bytes by path; the consistency state at the end.
+    With ``resume_at``: after that many steps the model and the consistency state are saved, the wrapper
+    closed, and a fresh model (other values), wrapper and optimizer load them and train on."""
+    from poseidon_torch import ServerOptimizer
+
+    def build_run(state: dict | None) -> tuple[nn.Module, PoseidonDDP, ServerOptimizer]:
+        model = Given(layers, dtype).to(placement.DEVICE)
+        if state is not None:
+            model.load_state_dict(state["model"])
+        overrides = {layer: path for layer in (f"layers.{i}" for i in range(len(layers)))}
+        wrapped = PoseidonDDP(model, fusion_bytes=0, overrides=overrides, timeout=60,
+                              compression={path_class(path).option: settings or {}})
+        optimizer = ServerOptimizer(wrapped, torch.optim.SGD, lr=1.0, **(server or {}))
+        if state is not None:
+            wrapped.load_consistency_state_dict(state["consistency"])
+        return model, wrapped, optimizer
+
+    model, wrapped, optimizer = build_run(None)
+    out: dict = {"params": [], "outcomes": [], "by_path": []}
+    for step in range(steps):
+        if step == resume_at:
+            consistency = [wrapped.consistency_state_dict()]
+            dist.broadcast_object_list(consistency, src=0)  # rank 0's copy resumes every rank, as a framework's
+            saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "consistency": consistency[0]}
+            wrapped.close()
+            model, wrapped, optimizer = build_run(saved)
+        optimizer.zero_grad(set_to_none=True)
+        grads = [g.to(placement.DEVICE) for g in gradients(layers, rank, step, dtype)]
+        wrapped(grads).backward()
+        optimizer.step()
+        out["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+        stats = wrapped.comm_stats
+        out["outcomes"].append(dict(stats.outcome_by_bucket))
+        out["by_path"].append(dict(stats.bytes_by_path))
+    out["state"] = own_state(wrapped)
+    wrapped.close()
+    return out
+
 def own_state(wrapped: PoseidonDDP) -> dict:
     """The wrapper's consistency state with ``"paths"`` narrowed to this rank's own entry."""
     state = wrapped.consistency_state_dict()
@@ -179,16 +224,16 @@ def train_state(rank: int, world_size: int, spec: ModelSpec, options: dict) -> d
     return state
 
 
-def construct(rank: int, world_size: int, options: dict, server: bool = False) -> str:
-    """Build PoseidonDDP with ``options`` on a small model (and a ServerOptimizer on it if ``server``);
-    the error's type and message, or "" when nothing was refused."""
+def construct(rank: int, world_size: int, options: dict, server: dict | None = None) -> str:
+    """Build PoseidonDDP with ``options`` on a small model (and a ServerOptimizer with ``server``'s options
+    on it, unless None); the error's type and message, or "" when nothing was refused."""
     from poseidon_torch import ServerOptimizer
     model = build(ModelSpec(widths=(8,)), seed=0)
     wrapped = None
     try:
         wrapped = PoseidonDDP(model, timeout=30, **options)
-        if server:
-            ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1)
+        if server is not None:
+            ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1, **server)
     except (TypeError, ValueError, NotImplementedError) as exc:
         return f"{type(exc).__name__}: {exc}"
     finally:

@@ -247,6 +247,116 @@ def test_int8_sends_no_padding_and_predicts_what_it_sends(cluster):
         assert predicted == pytest.approx(sent / P), (n, predicted, sent / P)
 
 
+# ---- compressed pushes to the parameter server (ServerOptimizer) ----------------------------------------
+
+def cast_push_reference(layers: cw.Layers, world_size: int, steps: int, wire: torch.dtype
+                        ) -> tuple[list[dict], list[dict]]:
+    """Compressed pushes in one process: step 0 on the exact default path; then every rank casts
+    M = gradient + residual to ``wire`` and the owner steps from the fp32 sum over the ranks, in rank
+    order, of the cast values, divided by P (not cast again). Per step the parameters SGD at lr 1 gives
+    (from zero); each rank's residuals at the end."""
+    names = cw.names(layers)
+    residual = [dict.fromkeys(names, 0.0) for _ in range(world_size)]
+    params = {name: 0.0 for name in names}
+    after = []
+    for t in range(steps):
+        per_rank = [cw.gradients(layers, w, t, torch.float32) for w in range(world_size)]
+        for i, name in enumerate(names):
+            ms = [per_rank[w][i] + residual[w][name] for w in range(world_size)] if t else [g[i] for g in per_rank]
+            sent = [m.to(wire).float() for m in ms] if t else ms
+            total = sent[0].clone()
+            for part in sent[1:]:
+                total += part
+            params[name] = params[name] - total / world_size
+            if t:
+                for w in range(world_size):
+                    residual[w][name] = ms[w] - sent[w]
+        after.append(dict(params))
+    return after, residual
+
+
+@pytest.mark.parametrize("path, wire", [("BF16", torch.bfloat16), ("FP16", torch.float16)])
+def test_compressed_pushes_equal_the_single_process_algorithm(cluster, path, wire):
+    """A ServerOptimizer (BSP, SGD) with BF16 / FP16 pushes: every rank's parameters after every step and
+    its residuals at the end are those of the single-process algorithm, bit for bit; the layers ran on
+    the path from step 1 on."""
+    P = cluster.world_size
+    results = cluster.run(cw.given_server_run, LAYERS, path, STEPS, torch.float32, {"start_iter": 1})
+    assert_ran(results, path, STEPS)
+    after, residual = cast_push_reference(LAYERS, P, STEPS, wire)
+    for w, result in enumerate(results):
+        for step, expected in enumerate(after):
+            for name, value in expected.items():
+                assert torch.equal(result["params"][step][name], value), (w, step, name)
+        kept = result["state"]["paths"][path]["residual"]
+        for name, value in residual[w].items():
+            assert torch.equal(kept[name], value), (w, name)
+
+
+def test_powersgd_pushes_equal_the_single_process_algorithm(cluster):
+    """PowerSGD with a ServerOptimizer: its all-reduces of P and Q stand for the push, the owners step from
+    the projected average (every rank holds it) and the new values are pulled exactly: the parameters
+    are minus the sum of the reference's averages, the residuals the reference's (fp64)."""
+    P = cluster.world_size
+    results = cluster.run(cw.given_server_run, LAYERS, "PowerSGD", STEPS, torch.float64, {"start_iter": 1, "rank": 2})
+    assert_ran(results, "PowerSGD", STEPS)
+    applied, residual = powersgd_reference(LAYERS, P, STEPS, torch.float64, 2)
+    for w, result in enumerate(results):
+        total = {}
+        for step, averages in enumerate(applied):
+            for name, value in averages.items():
+                total[name] = total.get(name, 0) - value
+                torch.testing.assert_close(result["params"][step][name], total[name], rtol=1e-9, atol=1e-10)
+        kept = result["state"]["paths"]["PowerSGD"]["residual"]
+        for name, value in residual[w].items():
+            torch.testing.assert_close(kept.get(name, torch.zeros_like(value)), value, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("path", ["PowerSGD", "BF16", "INT8"])
+def test_compressed_pushes_lose_nothing(cluster, path):
+    """Error feedback through the parameter server (fp64): minus the parameters (the sum of the applied
+    averages) plus the mean of the residuals is the sum of the true averages; every rank holds the same
+    parameters after every step."""
+    results = cluster.run(cw.given_server_run, LAYERS, path, STEPS, torch.float64, settings_of(path))
+    assert_ran(results, path, STEPS)
+    for step in range(STEPS):
+        for name, value in results[0]["params"][step].items():
+            assert all(torch.equal(other["params"][step][name], value) for other in results[1:]), (step, name)
+    P = len(results)
+    for i, name in enumerate(cw.names(LAYERS)):
+        true = sum(mean([cw.gradients(LAYERS, r, t, torch.float64)[i] for r in range(P)]) for t in range(STEPS))
+        kept = [result["state"]["paths"][path]["residual"].get(name) for result in results]
+        left = mean([torch.zeros_like(true) if k is None else k for k in kept])
+        torch.testing.assert_close(-results[0]["params"][-1][name] + left, true, rtol=1e-12, atol=1e-12,
+                                   msg=lambda m: f"{path} {name}: {m}")
+
+
+def test_bf16_pushes_send_half_the_push_and_pull_the_values_exactly(cluster):
+    """Over all ranks, one bucket (one chunk) per layer: on the exact path step 0 sends the fp32 push,
+    the flags to the owner and the fp32 pull; BF16 pushes send the same in bf16 but the pull, still fp32."""
+    P, layers = cluster.world_size, (((64, 40),), ((30,), (30,)))
+    results = cluster.run(cw.given_server_run, layers, "BF16", 2, torch.float32, {"start_iter": 1})
+    assert_ran(results, "BF16", 2)
+    sizes = [(sum(torch.Size(shape).numel() for shape in shapes), len(shapes) + 1) for shapes in layers]
+    on_ps, on_bf16 = (sum(result["by_path"][step].get(path, 0) for result in results) for step, path in
+                      ((0, "PS"), (1, "BF16")))
+    assert on_ps == sum((P - 1) * 4 * (2 * (n + flags) + flags) for n, flags in sizes)
+    assert on_bf16 == sum((P - 1) * (2 * (n + flags) + 2 * flags + 4 * (n + flags)) for n, flags in sizes)
+
+
+@pytest.mark.parametrize("path", ["PowerSGD", "BF16"])
+def test_a_resumed_server_run_continues_bit_for_bit(cluster, path):
+    """5 steps straight against 2, a checkpoint (the model and the consistency state: plain SGD keeps no
+    optimizer state), a fresh wrapper and ServerOptimizer, and 3 more: the same parameters, bit for bit."""
+    settings = settings_of(path)
+    straight = cluster.run(cw.given_server_run, LAYERS, path, STEPS, torch.float32, settings)
+    resumed = cluster.run(cw.given_server_run, LAYERS, path, STEPS, torch.float32, settings, 2)
+    for rank, (a, b) in enumerate(zip(straight, resumed)):
+        assert set(b["outcomes"][2].values()) == {path}, b["outcomes"][2]
+        for name, value in a["params"][-1].items():
+            assert torch.equal(b["params"][-1][name], value), (rank, name)
+
+
 def test_fp16_saturates_instead_of_overflowing(cluster):
     """A gradient beyond fp16's range is sent as 65504; the excess stays in the residual (nothing is inf)."""
     results = cluster.run(cw.given_run, (((3,),),), "FP16", 2, torch.float32, 0, None, 0, 1e6)
@@ -403,10 +513,12 @@ def test_training_is_deterministic_and_identical_on_every_rank(cluster, compress
 # ---- the coordinator ----------------------------------------------------------------------------------
 
 def plan_of(layers: list[Layer], world_size: int, link: LinkModel, lossy: tuple[str, ...], passes: int = 2,
-            ready_s: dict[str, float] | None = None, pipelined_steps: bool = False):
+            ready_s: dict[str, float] | None = None, pipelined_steps: bool = False, pull_values: bool = False):
     """The coordinator's plan after ``passes`` clean passes, every layer alone in a bucket (learned, the
-    layers' gradients ready at ``ready_s``: all at the start of backward by default)."""
+    layers' gradients ready at ``ready_s``: all at the start of backward by default); ``pull_values``: for
+    a mode that updates at the owners (a ServerOptimizer)."""
     coordinator = planner(layers, world_size, link, lossy, pipelined_steps)
+    coordinator.pull_values = pull_values
     buckets = alone(layers)
     coordinator.buckets_changed(buckets, learned=True,
                                 ready_s=ready_s or dict.fromkeys((layer.name for layer in layers), 0.0))
@@ -504,6 +616,25 @@ def test_powersgd_compresses_where_its_calibrated_compute_pays():
     layers = model_of((((1024, 1024),),))
     assert plan_of(layers, 2, LinkModel.from_gbps(1.0), ("powersgd",)).layer_paths() == {"layers.0": "PowerSGD"}
     assert plan_of(layers, 2, LinkModel.from_gbps(5.0), ("powersgd",)).layer_paths() == {"layers.0": "PS"}
+
+
+def test_a_server_optimizer_costs_each_path_with_the_pull_of_the_values():
+    """With the update at the owners, the exact path's prediction is its own sync (push, then the pull of
+    the values); BF16 pushes half the push's bytes and pulls the values in fp32; INT8 and PowerSGD sync
+    as they do and add the pull: the bytes of the plan's rows, per rank, for a 1024 x 1024 layer at
+    P = 2 over 0.1 Gbit/s, where each compressed path is chosen."""
+    layers = model_of((((1024, 1024),),))
+    n = flat_numel(1024 * 1024, 1)
+    link = LinkModel.from_gbps(0.1)
+    pull = 1024 * 1024 * 4 / 2  # (P - 1) / P of the values
+    expected = {"PS": n * 4, "BF16": n * 2 / 2 + pull, "INT8": None, "PowerSGD": None}
+    for lossy, path in (("bf16", "BF16"), ("int8", "INT8"), ("powersgd", "PowerSGD")):
+        plain = plan_of(layers, 2, link, (lossy,)).rows[0].predictions
+        served = plan_of(layers, 2, link, (lossy,), pull_values=True)
+        assert served.layer_paths() == {"layers.0": path}
+        row = served.rows[0].predictions
+        assert row["PS"][0] == pytest.approx(expected["PS"]) == plain["PS"][0]
+        assert row[path][0] == pytest.approx(expected[path] or plain[path][0] + pull), (path, row[path], plain[path])
 
 
 @pytest.mark.parametrize("lossy, path", [("int8", "INT8"), ("powersgd", "PowerSGD")])
@@ -613,11 +744,15 @@ def test_bad_compression_values_are_refused_on_every_rank(cluster, value, error)
         assert error in message, message
 
 
-def test_compression_needs_hybrid_and_refuses_a_server_optimizer(cluster):
+def test_compression_needs_hybrid_and_a_bsp_server_optimizer(cluster):
     for message in cluster.run(cw.construct, {"compression": "bf16", "hybrid": False}):
         assert "compression= chooses paths per layer, which needs hybrid=True" in message, message
-    for message in cluster.run(cw.construct, {"compression": "powersgd"}, True):
-        assert message.startswith("NotImplementedError") and "compressed pushes" in message, message
+    for server in ({"staleness": 1}, {"staleness": None}, {"delay": 1}):
+        for message in cluster.run(cw.construct, {"compression": "powersgd"}, server):
+            assert message.startswith("NotImplementedError") and "compressed pushes run with the BSP" in message, \
+                (server, message)
+    for message in cluster.run(cw.construct, {"compression": "int8"}, {}):
+        assert message == ""
     for message in cluster.run(cw.construct, {"compression": {"powersgd": {"rank": 2}}}):
         assert message == ""
 

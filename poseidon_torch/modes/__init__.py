@@ -49,8 +49,8 @@ def sync_nice(delay: int) -> int:
 def check_request(delay: int, periodic: PeriodicOptions | None, overrides: Mapping[str, str], devices: Iterable[str],
                   request: ServerRequest, compression: Mapping[str, object] | None = None) -> None:
     """Refuse, when the ``ServerOptimizer`` is built, what its mode could not run: a wrapper that delays
-    its gradients already, or syncs only every H steps, a lossy path (compressed pushes to the shards are
-    not built: the owners would step from an approximation whose error feedback no mode keeps), overrides
+    its gradients already, or syncs only every H steps, a lossy path with a staleness bound or a delay
+    (compressed pushes run on the BSP shards only: the SSP server threads push exact gradients), overrides
     that need every rank at the same step under a staleness bound, parameters off the CPU for the SSP
     server threads."""
     if periodic is not None:
@@ -58,11 +58,10 @@ def check_request(delay: int, periodic: PeriodicOptions | None, overrides: Mappi
                            "syncs the parameters every H steps; a ServerOptimizer updates them at the shards every "
                            "step: drop sync_every, or use a torch optimizer")
     lossy = sorted(set(compression or {}) | {path for path in overrides.values() if not path_class(path).exact})
-    if lossy:
-        raise NotImplementedError(f"a ServerOptimizer on a PoseidonDDP with lossy paths {lossy} (compression= or "
-                                  "overrides=) is not supported: compressed pushes to the parameter server are not "
-                                  "implemented; use the model's own optimizer with compression=, or a ServerOptimizer "
-                                  "without it")
+    if lossy and (request.delay or request.staleness != 0):
+        raise NotImplementedError(f"a ServerOptimizer(delay={request.delay}, staleness={request.staleness}) on a "
+                                  f"PoseidonDDP with lossy paths {lossy} (compression= or overrides=) is not supported: "
+                                  "compressed pushes run with the BSP parameter server only (delay=0, staleness=0)")
     if delay:
         raise RuntimeError(f"PoseidonDDP(delay={delay}) delays the averaged gradients of the default mode; a "
                            "ServerOptimizer on it is not supported yet")

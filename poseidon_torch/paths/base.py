@@ -8,8 +8,7 @@ A :class:`Path` says what it is (class attributes), what it would cost, and does
   ``option``, or an override), ``native`` (the native core runs its jobs itself
   from the schedules ``prepare`` made), ``factors`` (it syncs a lone FC layer from its sufficient factors,
   so that layer's calls are detached while it is on this path), ``by_cost`` (the coordinator puts a
-  layer on it where its prediction beats the default path's), ``reduces_at_owners`` (:meth:`Path.reduce`
-  leaves each chunk's average at the chunk's owner only);
+  layer on it where its prediction beats the default path's);
 - :meth:`Path.predict`: bytes per rank and seconds of one sync of a bucket on a link, with the
   machine's GEMM rate and memory bandwidth for its compute (None: it cannot take that bucket);
 - :meth:`Path.prepare`: the buckets were rebuilt; what the path keeps per bucket carries over;
@@ -18,11 +17,13 @@ A :class:`Path` says what it is (class attributes), what it would cost, and does
 - :meth:`Path.sync`: the job, as a generator of phases (``"network"``, ``"gather"``, ``"rebuild"``,
   ...; a phase lasts until the next one begins) returning whether the bucket synced (False: some rank
   aborted, or no rank used it);
-- :meth:`Path.write`, :meth:`Path.keep_local`, :meth:`Path.forget`: what the sync left, at the end of
-  the pass, on the training thread: into ``.grad`` (or where the mode holds a pass's gradients), kept
-  as this rank's unsynced gradient (the pass was aborted), or dropped (nothing is written);
+- :meth:`Path.write`, :meth:`Path.settle`, :meth:`Path.keep_local`, :meth:`Path.forget`: what the sync
+  left, at the end of the pass, on the training thread: into ``.grad`` (or where the mode holds a pass's
+  gradients), nowhere because the owners stepped from it (a ``ServerOptimizer``), kept as this rank's
+  unsynced gradient (the pass was aborted), or dropped (nothing is written);
 - :meth:`Path.reduce`: the sync up to where the parameter-server update can run (the update wrapper,
-  ``update.py``, composes it with any path);
+  ``update.py``, composes it with any path), and :meth:`Path.predict_update`, what that job costs with
+  the owners' pull of the new values;
 - :meth:`Path.state_dict` / :meth:`Path.load_state_dict`: what a checkpoint must carry of it.
 Invariants: a job touches only its bucket's flat buffer and the path's own state (never ``.grad``);
 every rank runs the same phases and the same collectives for a bucket in a pass.
@@ -151,7 +152,6 @@ class Path:
     native: ClassVar[bool] = False
     factors: ClassVar[bool] = False
     by_cost: ClassVar[bool] = False
-    reduces_at_owners: ClassVar[bool] = False
     #: what ``PoseidonDDP(compression=...)`` calls a lossy path (None: an exact path, never named there)
     option: ClassVar[str | None] = None
     #: phases of its own that a trace plot names (phase -> legend label)
@@ -167,6 +167,15 @@ class Path:
         multiplies matrices at ``gemm_flops`` and streams memory at ``memory_bps`` bytes per second (either
         None where not probed); None: it cannot take that bucket (or cannot cost it without a rate)."""
         raise NotImplementedError
+
+    def predict_update(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
+                       memory_bps: float | None, pull: Prediction) -> Prediction | None:
+        """One job of this path composed with the update at the owners (``update.py``), ``pull`` being the
+        owners' pull of the new values: by default :meth:`reduce` is the whole sync, then the pull."""
+        predicted = self.predict(cost, world_size, link, gemm_flops, memory_bps)
+        if predicted is None:
+            return None
+        return Prediction(predicted.bytes + pull.bytes, predicted.seconds + pull.seconds, predicted.compute_s)
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
         """The buckets were (re)built (between passes): plan what the jobs need; carry state over."""
@@ -200,6 +209,10 @@ class Path:
         if not late:
             grads.scatter(bucket)
 
+    def settle(self, bucket: Bucket, late: bool) -> None:
+        """End of a pass no rank aborted whose average the owners stepped from (a ``ServerOptimizer``'s
+        mode): nothing is written; what the path keeps of its sync stays (``late``: as in :meth:`write`)."""
+
     def keep_local(self, bucket: Bucket) -> None:
         """End of an aborted pass: this rank's gradient stays in ``.grad``, marked unsynced."""
         bucket.dirty |= bucket.seen
@@ -229,11 +242,14 @@ class WrappedPath(Path):
     option = property(lambda self: self.inner.option)  # type: ignore[assignment]
     factors = property(lambda self: self.inner.factors)  # type: ignore[assignment]
     by_cost = property(lambda self: self.inner.by_cost)  # type: ignore[assignment]
-    reduces_at_owners = property(lambda self: self.inner.reduces_at_owners)  # type: ignore[assignment]
 
     def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
                 memory_bps: float | None = None) -> Prediction | None:
         return self.inner.predict(cost, world_size, link, gemm_flops, memory_bps)
+
+    def predict_update(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
+                       memory_bps: float | None, pull: Prediction) -> Prediction | None:
+        return self.inner.predict_update(cost, world_size, link, gemm_flops, memory_bps, pull)
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
         self.inner.prepare(buckets)
@@ -255,6 +271,9 @@ class WrappedPath(Path):
 
     def write(self, bucket: Bucket, grads: GradWriter, late: bool) -> None:
         self.inner.write(bucket, grads, late)
+
+    def settle(self, bucket: Bucket, late: bool) -> None:
+        self.inner.settle(bucket, late)
 
     def keep_local(self, bucket: Bucket) -> None:
         self.inner.keep_local(bucket)

@@ -12,7 +12,8 @@ residual is M minus what the sync applied on its behalf, so after any number of 
 (exact in exact arithmetic; to rounding in floating point).
 
 Invariants:
-- a residual changes only when its sync's average is written (:meth:`LossyPath.write`, not late): an
+- a residual changes only when its sync's average is written (:meth:`LossyPath.write`, not late), or
+  the owners stepped from it (:meth:`LossyPath.settle`, a ``ServerOptimizer``): an
   aborted pass, a late gradient (the bucket is then averaged again, exactly, on the default path), a
   pass that writes nothing, a pass whose average is not finite (an overflow: GradScaler skips the step)
   and a parameter no rank used (its average is not written) keep the old one;
@@ -125,12 +126,18 @@ class LossyPath(Path):
         rank used (late: the bucket is synced again exactly, the old residuals stay; a non-finite average,
         the same on every rank, is a step GradScaler skips: the old residuals stay, not inf or NaN for
         good)."""
+        self.settle(bucket, late)
+        super().write(bucket, grads, late)
+
+    def settle(self, bucket: Bucket, late: bool) -> None:
+        """The sync's residuals replace the old ones of the parameters some rank used, unless ``late`` or
+        the bucket's flat buffer is not finite (the average, or with a ``ServerOptimizer`` the owners' new
+        values: the same on every rank)."""
         pending = self._pending.pop(id(bucket), {})
         if not late and bool(torch.isfinite(bucket.flat[:bucket.grad_numel]).all()):
             for used, p in zip(bucket.used_anywhere.tolist(), bucket.params):
                 if used and id(p) in pending:
                     self._residuals[id(p)] = pending[id(p)]
-        super().write(bucket, grads, late)
 
     def keep_local(self, bucket: Bucket) -> None:
         self._pending.pop(id(bucket), None)

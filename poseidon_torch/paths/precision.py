@@ -18,6 +18,11 @@ One sync, with M = gradient + residual per parameter (``lossy.py``) and P ranks:
   the chunk's mean (fp32 mean - wire(mean)) in its residual, so the mean of the residuals carries
   that too and error feedback loses nothing.
 
+With a BSP ``ServerOptimizer`` (:meth:`CastPath.reduce`, composed with the update at the owners,
+``update.py``): the push alone, over the default path's chunks (the shards' own), and each owner steps
+from the fp32 mean of its chunks' parts, not cast again; the new values are pulled in the model's dtype.
+Each rank's new residual is M - wire(M) (no rounding at the owner to keep).
+
 Bytes one rank sends: those of the PS path for a buffer of the wire dtype, 2 (P-1)/P of (flat numel x
 2 bytes): half of an fp32 bucket's. Compute: a few passes over the bucket in memory (the residual
 added, the saturating cast, the new residual; the owner's sum and rounding; the upcast), costed as
@@ -39,7 +44,7 @@ from torch import Tensor
 from ..bucket import Bucket
 from ..link import LinkModel
 from ..pools import ChannelGroups
-from .base import BucketCost, PathEnv, Prediction, SyncContext
+from .base import AtOwners, BucketCost, PathEnv, Prediction, SyncContext
 from .lossy import LossyPath, add_owner_rounding
 from .ps import Chunk, Schedule, build_schedule, plan_chunks, predict_ps, run_messages
 
@@ -64,6 +69,8 @@ class CastPath(LossyPath):
         super().__init__(env)
         self._chunks: dict[int, list[Chunk]] = {}  #: id(bucket) -> its wire buffer's chunks
         self._wires: dict[int, Wire] = {}  #: id(bucket) -> its wire buffer, from its first sync on
+        #: id(bucket) -> its wire buffer pushed over the default path's chunks, from its first reduce on
+        self._pushes: dict[int, Wire] = {}
 
     def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
                 memory_bps: float | None = None) -> Prediction | None:
@@ -76,6 +83,16 @@ class CastPath(LossyPath):
         compute_s = self.seconds_per_sync + self.memory_seconds(elements, cost.element_size, memory_bps)
         return Prediction(sent, seconds + compute_s, compute_s)
 
+    def predict_update(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
+                       memory_bps: float | None, pull: Prediction) -> Prediction | None:
+        """:meth:`reduce` is the push alone, in the wire dtype: half a sync's bytes and rounds."""
+        predicted = self.predict(cost, world_size, link, gemm_flops, memory_bps)
+        if predicted is None:
+            return None
+        pushed = predicted.bytes / 2
+        seconds = link.seconds(pushed, world_size - 1) + pull.seconds + predicted.compute_s
+        return Prediction(pushed + pull.bytes, seconds, predicted.compute_s)
+
     def prepare(self, buckets: Sequence[Bucket]) -> None:
         """Plan the chunks of every bucket's wire buffer (at most ``chunk_bytes`` of the wire dtype each,
         dealt as the PS path deals its own); the buffers are made at a bucket's first sync on this path,
@@ -84,7 +101,7 @@ class CastPath(LossyPath):
         sizes = [self.wire_dtype.itemsize] * len(buckets)
         plan = plan_chunks([b.flat.numel() for b in buckets], sizes, self.world_size, self.env.chunk_bytes)
         self._chunks = {id(bucket): chunks for bucket, chunks in zip(buckets, plan)}
-        self._wires = {}
+        self._wires, self._pushes = {}, {}
 
     def _wire_of(self, bucket: Bucket) -> Wire:
         wire = self._wires.get(id(bucket))
@@ -94,15 +111,51 @@ class CastPath(LossyPath):
             wire = self._wires[id(bucket)] = Wire(buffer, schedule)
         return wire
 
-    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, bool]:
-        wire, size = self._wire_of(bucket), groups.size
-        yield "compress"
+    def _push_of(self, bucket: Bucket) -> Wire:
+        wire = self._pushes.get(id(bucket))
+        if wire is None:
+            buffer = torch.zeros(bucket.flat.numel(), dtype=self.wire_dtype, device=bucket.flat.device)
+            chunks = self.env.default.chunks_of(bucket)
+            schedule = build_schedule(buffer, bucket.grad_numel, chunks, self.rank, self.world_size, True)
+            wire = self._pushes[id(bucket)] = Wire(buffer, schedule)
+        return wire
+
+    def _cast(self, bucket: Bucket, ctx: SyncContext, buffer: Tensor) -> Tensor:
+        """M of the bucket cast into ``buffer`` (saturating), the flags after it; the new residuals."""
         m = self.with_residuals(bucket, ctx)
-        gradients = wire.buffer[:bucket.grad_numel]
+        gradients = buffer[:bucket.grad_numel]
         limit = torch.finfo(self.wire_dtype).max
         gradients.copy_(torch.where(m.isinf(), m, m.clamp(-limit, limit)))  # an inf (an overflow) stays inf
         m -= gradients  # the new residuals: what the cast dropped
-        wire.buffer[bucket.grad_numel:].copy_(bucket.flat[bucket.grad_numel:])
+        buffer[bucket.grad_numel:].copy_(bucket.flat[bucket.grad_numel:])
+        return m
+
+    def reduce(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, AtOwners]:
+        """Compressed pushes to the parameter server: every rank pushes its parts of M in the wire dtype
+        over the default path's chunks (the shards' own), and each owner sums its chunks' parts in fp32
+        (fp64 for an fp64 bucket), in rank order, into the bucket's flat buffer, divided by P: the
+        average the owner steps from, not cast again (the new values are pulled exactly). The rank's new
+        residual is what its cast dropped."""
+        wire = self._push_of(bucket)
+        yield "compress"
+        m = self._cast(bucket, ctx, wire.buffer)
+        yield "network"
+        for messages in wire.schedule.push:
+            run_messages(messages, groups)
+        owned = [c for c in self.env.default.chunks_of(bucket) if c.owner == self.rank]
+        for chunk, (_, parts) in zip(owned, wire.schedule.aggregate):
+            _sum_into(bucket.flat[chunk.start:chunk.stop], parts, groups.size)
+        flags = wire.schedule.flags
+        bucket.bytes_sent = wire.schedule.bytes_sent - wire.schedule.pull_bytes
+        bucket.outcome = self.name
+        for p, residual in bucket.views(m):
+            self.propose(bucket, p, residual)
+        return AtOwners(sum(part.float() for part in flags) if flags else None)
+
+    def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, bool]:
+        wire, size = self._wire_of(bucket), groups.size
+        yield "compress"
+        m = self._cast(bucket, ctx, wire.buffer)
         yield "network"
         for messages in wire.schedule.push:
             run_messages(messages, groups)
@@ -117,13 +170,19 @@ class CastPath(LossyPath):
         return self.propose_all(bucket, m, ctx)
 
 
+def _sum_into(out: Tensor, parts: list[Tensor], world_size: int) -> None:
+    """The mean of every rank's part, summed in ``out``'s dtype in rank order, into ``out``."""
+    out.copy_(parts[0])
+    for part in parts[1:]:
+        out += part.to(out.dtype)
+    out.div_(world_size)
+
+
 def _average_into(own: Tensor, parts: list[Tensor], world_size: int, dtype: torch.dtype) -> Tensor:
     """The mean of every rank's part, summed in ``dtype`` (fp32, or fp64 for an fp64 bucket) in rank
     order, cast into ``own``; what the cast lost."""
-    total = parts[0].to(dtype)
-    for part in parts[1:]:
-        total += part.to(dtype)
-    mean = total.div_(world_size)
+    mean = torch.empty(own.shape, dtype=dtype, device=own.device)
+    _sum_into(mean, parts, world_size)
     own.copy_(mean)
     return mean.sub_(own.to(dtype))
 

@@ -137,7 +137,6 @@ class PSPath(Path):
 
     name = "PS"
     native = True
-    reduces_at_owners = True
 
     def __init__(self, env: PathEnv) -> None:
         super().__init__(env)
@@ -153,6 +152,11 @@ class PSPath(Path):
     def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
                 memory_bps: float | None = None) -> Prediction:
         return Prediction(*predict_ps(cost.nbytes, world_size, link))
+
+    def predict_update(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
+                       memory_bps: float | None, pull: Prediction) -> Prediction:
+        """Its reduce is the push: with the pull of the new values it is a sync's bytes."""
+        return self.predict(cost, world_size, link, gemm_flops, memory_bps)
 
     def predict_pull(self, nbytes: float, world_size: int, link: LinkModel) -> Prediction:
         """The pull alone (the owners' new values of ``nbytes``, after an update at the owners)."""
