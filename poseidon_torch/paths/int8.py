@@ -27,8 +27,10 @@ residual added, the block maxima, the division and rounding, the new residual; a
 dequantized sum and its quantization; the dequantized average), costed as
 :attr:`~Int8Path.bytes_per_element` bytes per fp32 element at the probed memory bandwidth: a calibration, not a count (on the 2-core CI
 machine, one thread, 3.3 M elements: 11 ns of CPU per element on every rank, 14 at an owner for its
-chunk's elements with P = 2, 1.3 to apply: about 19 ns, against the probe's 23 GB/s). So on that
-machine it pays over 100 Mbit/s (a saved byte costs 80 ns there) and not over 10 Gbit/s.
+chunk's elements with P = 2, 1.3 to apply: about 19 ns, against the probe's 23 GB/s), plus
+:attr:`~Int8Path.seconds_per_sync` whatever the bucket's size (0.19-0.21 ms for a 512-element one,
+``benchmarks/compression_compute.py``). So on that machine it pays over 100 Mbit/s (a saved byte costs
+80 ns there) and not over 10 Gbit/s.
 """
 from __future__ import annotations
 

@@ -29,7 +29,9 @@ added, the saturating cast, the new residual; the owner's sum and rounding; the 
 :attr:`~CastPath.bytes_per_element` bytes per fp32 element at the probed memory bandwidth: a calibration, not a
 count (on the 2-core CI machine, one thread, 3.3 M elements: 6.9 ns of CPU per element on every rank,
 8.1 at an owner for its chunk's elements with P = 2, 0.3 to apply: about 11 ns, against the probe's
-23 GB/s; the earlier count of 36 bytes predicted 7 times too little). Setting: ``start_iter`` (1: from the second synced pass on, as every path off the default
+23 GB/s; the earlier count of 36 bytes predicted 7 times too little), plus
+:attr:`~CastPath.seconds_per_sync` whatever the bucket's size (0.08-0.09 ms for a 512-element one,
+``benchmarks/compression_compute.py``). Setting: ``start_iter`` (1: from the second synced pass on, as every path off the default
 one). A bucket of the wire dtype or smaller is not this path's (nothing to gain).
 """
 from __future__ import annotations
