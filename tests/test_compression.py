@@ -249,6 +249,9 @@ def test_int8_sends_no_padding_and_predicts_what_it_sends(cluster):
 
 # ---- compressed pushes to the parameter server (ServerOptimizer) ----------------------------------------
 
+#: LAYERS and a layer of 60 000 elements, which the shards cut into chunks with different owners
+SERVER_LAYERS: cw.Layers = LAYERS + (((300, 200),),)
+
 def cast_push_reference(layers: cw.Layers, world_size: int, steps: int, wire: torch.dtype
                         ) -> tuple[list[dict], list[dict]]:
     """Compressed pushes in one process: step 0 on the exact default path; then every rank casts
@@ -281,9 +284,9 @@ def test_compressed_pushes_equal_the_single_process_algorithm(cluster, path, wir
     its residuals at the end are those of the single-process algorithm, bit for bit; the layers ran on
     the path from step 1 on."""
     P = cluster.world_size
-    results = cluster.run(cw.given_server_run, LAYERS, path, STEPS, torch.float32, {"start_iter": 1})
+    results = cluster.run(cw.given_server_run, SERVER_LAYERS, path, STEPS, torch.float32, {"start_iter": 1})
     assert_ran(results, path, STEPS)
-    after, residual = cast_push_reference(LAYERS, P, STEPS, wire)
+    after, residual = cast_push_reference(SERVER_LAYERS, P, STEPS, wire)
     for w, result in enumerate(results):
         for step, expected in enumerate(after):
             for name, value in expected.items():
@@ -317,14 +320,15 @@ def test_compressed_pushes_lose_nothing(cluster, path):
     """Error feedback through the parameter server (fp64): minus the parameters (the sum of the applied
     averages) plus the mean of the residuals is the sum of the true averages; every rank holds the same
     parameters after every step."""
-    results = cluster.run(cw.given_server_run, LAYERS, path, STEPS, torch.float64, settings_of(path))
+    results = cluster.run(cw.given_server_run, SERVER_LAYERS, path, STEPS, torch.float64, settings_of(path))
     assert_ran(results, path, STEPS)
     for step in range(STEPS):
         for name, value in results[0]["params"][step].items():
             assert all(torch.equal(other["params"][step][name], value) for other in results[1:]), (step, name)
     P = len(results)
-    for i, name in enumerate(cw.names(LAYERS)):
-        true = sum(mean([cw.gradients(LAYERS, r, t, torch.float64)[i] for r in range(P)]) for t in range(STEPS))
+    for i, name in enumerate(cw.names(SERVER_LAYERS)):
+        true = sum(mean([cw.gradients(SERVER_LAYERS, r, t, torch.float64)[i] for r in range(P)])
+                   for t in range(STEPS))
         kept = [result["state"]["paths"][path]["residual"].get(name) for result in results]
         left = mean([torch.zeros_like(true) if k is None else k for k in kept])
         torch.testing.assert_close(-results[0]["params"][-1][name] + left, true, rtol=1e-12, atol=1e-12,

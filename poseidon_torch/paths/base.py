@@ -211,14 +211,17 @@ class Path:
 
     def settle(self, bucket: Bucket, late: bool) -> None:
         """End of a pass no rank aborted whose average the owners stepped from (a ``ServerOptimizer``'s
-        mode): nothing is written; what the path keeps of its sync stays (``late``: as in :meth:`write`)."""
+        mode): nothing is written, so by default what the sync left is dropped, as by :meth:`forget`; a
+        path whose state outlives the pass keeps it here (``late``: as in :meth:`write`)."""
+        self.forget(bucket)
 
     def keep_local(self, bucket: Bucket) -> None:
         """End of an aborted pass: this rank's gradient stays in ``.grad``, marked unsynced."""
         bucket.dirty |= bucket.seen
 
     def forget(self, bucket: Bucket) -> None:
-        """End of a pass that writes nothing (the mode took the values, or a joined rank's shadow pass)."""
+        """End of a pass that writes nothing (a joined rank's shadow pass, or an aborted pass of a mode that
+        writes no gradient): what the sync left is dropped."""
 
     def state_dict(self) -> dict:
         """What a checkpoint must carry of this path (``PoseidonDDP.consistency_state_dict``)."""
