@@ -102,11 +102,12 @@ def given_run(rank: int, world_size: int, layers: Layers, path: str, steps: int,
 
 
 def given_server_run(rank: int, world_size: int, layers: Layers, path: str, steps: int, dtype: torch.dtype,
-                     settings: dict | None = None, resume_at: int | None = None, server: dict | None = None
-                     ) -> dict:
+                     settings: dict | None = None, resume_at: int | None = None, server: dict | None = None,
+                     scale: float = 1.0) -> dict:
     """``steps`` steps of :class:`Given` (parameters from zero) under a ``ServerOptimizer`` (plain SGD at
-    lr 1, so the parameters are minus the sum of the applied averages) with ``path`` forced on every layer
-    and named by ``compression=`` (``settings``); ``server``: more ``ServerOptimizer`` options. Per step
+    lr 1 unless ``server`` says otherwise, so the parameters are minus the sum of the applied averages) with ``path`` forced on every layer
+    and named by ``compression=`` (``settings``), its gradients times ``scale``; ``server``: more
+    ``ServerOptimizer`` options. Per step
     the parameters after ``step()``, the outcomes and bytes by path; the consistency state at the end.
     With ``resume_at``: after that many steps the model and the consistency state are saved, the wrapper
     closed, and a fresh model (other values), wrapper and optimizer load them and train on."""
@@ -119,7 +120,7 @@ def given_server_run(rank: int, world_size: int, layers: Layers, path: str, step
         overrides = {layer: path for layer in (f"layers.{i}" for i in range(len(layers)))}
         wrapped = PoseidonDDP(model, fusion_bytes=0, overrides=overrides, timeout=60,
                               compression={path_class(path).option: settings or {}})
-        optimizer = ServerOptimizer(wrapped, torch.optim.SGD, lr=1.0, **(server or {}))
+        optimizer = ServerOptimizer(wrapped, torch.optim.SGD, **{"lr": 1.0, **(server or {})})
         if state is not None:
             wrapped.load_consistency_state_dict(state["consistency"])
         return model, wrapped, optimizer
@@ -134,7 +135,7 @@ def given_server_run(rank: int, world_size: int, layers: Layers, path: str, step
             wrapped.close()
             model, wrapped, optimizer = build_run(saved)
         optimizer.zero_grad(set_to_none=True)
-        grads = [g.to(placement.DEVICE) for g in gradients(layers, rank, step, dtype)]
+        grads = [g.to(placement.DEVICE) * scale for g in gradients(layers, rank, step, dtype)]
         wrapped(grads).backward()
         optimizer.step()
         out["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -142,6 +143,44 @@ def given_server_run(rank: int, world_size: int, layers: Layers, path: str, step
         out["outcomes"].append(dict(stats.outcome_by_bucket))
         out["by_path"].append(dict(stats.bytes_by_path))
     out["state"] = own_state(wrapped)
+    wrapped.close()
+    return out
+
+
+def skipped_batch(rank: int, world_size: int, server: bool, raises: bool) -> dict:
+    """An MLP with every layer on PowerSGD from step 1, SGD (a ServerOptimizer if ``server``) over batches
+    0-4; batch 3 is skipped: with ``raises`` its backward raises on rank 0 (a hook; caught on every rank,
+    the others' error being the SyncError that names rank 0), else no rank runs it. The parameters and
+    this rank's PowerSGD state (residuals, Q) at the end."""
+    from poseidon_torch import ServerOptimizer, SyncError
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    layers = {"0": "PowerSGD", "2": "PowerSGD", "4": "PowerSGD"}
+    wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, overrides=layers,
+                          compression={"powersgd": {"start_iter": 1, "rank": 2}})
+    opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1) if server else torch.optim.SGD(model.parameters(), lr=0.1)
+    bad = {"now": False}
+
+    def raise_if_bad(grad: torch.Tensor) -> None:
+        if bad["now"]:
+            raise ValueError("bad batch")
+
+    model[0].weight.register_hook(raise_if_bad)
+    for step in range(5):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
+        if step == 3 and not raises:
+            continue
+        bad["now"] = step == 3 and rank == 0
+        try:
+            torch.nn.functional.mse_loss(wrapped(x), y).backward()
+        except (ValueError, SyncError):
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+    out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+           "state": own_state(wrapped)["paths"]["PowerSGD"]}
     wrapped.close()
     return out
 

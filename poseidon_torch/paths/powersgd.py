@@ -16,6 +16,8 @@ r' = min(r, rows, cols) shrinks it enough, r' (rows + cols) * ``min_compression_
 5. the average applied is P^ Q^T = P^ P^^T mean(M): the projection of the mean M onto the columns of
    P^. Hence a mean M of rank <= r' passes unchanged (to rounding). Each rank's new residual is its M
    minus that average.
+A pass that is aborted (an exception in some rank's backward: no step) puts back the Q its syncs
+computed, as it keeps the old residuals, so the run goes on as one that skipped the batch.
 
 Bytes one rank sends: a ring all-reduce of each buffer, 2 (P-1)/P of (sum of rows * r' + uncompressed
 elements + flags) + 2 (P-1)/P of (sum of cols * r'), in the compute dtype (fp32 for half-precision
@@ -121,6 +123,9 @@ class PowerSGDPath(LossyPath):
         self._plans: dict[int, Plan] = {}
         self._q: dict[int, Tensor] = {}  #: id(parameter) -> its mean Q of the last sync (the warm start)
         self._warm: set[int] = set()  #: the parameters whose Q a sync computed (or a checkpoint restored)
+        #: id(bucket) -> what its sync in this pass changed of the warm start: its Q buffer, the values
+        #: before, the parameters it made warm (taken back if the pass is aborted, kept when it is written)
+        self._undo: dict[int, tuple[Tensor, Tensor, set[int]]] = {}
 
     # ---- cost -----------------------------------------------------------------------------------
 
@@ -150,7 +155,7 @@ class PowerSGDPath(LossyPath):
         """Forget the old buckets' message buffers (a bucket's are made at its first sync on this path, so
         a wrapper that never uses the path holds none); every parameter keeps its Q."""
         super().prepare(buckets)
-        self._plans = {}
+        self._plans, self._undo = {}, {}
 
     def _plan_of(self, bucket: Bucket) -> Plan:
         plan = self._plans.get(id(bucket))
@@ -220,7 +225,10 @@ class PowerSGDPath(LossyPath):
         plan.second.div_(size)
         if not bool(torch.isfinite(plan.second).all()):  # the same on every rank: GradScaler skips this step
             plan.second.copy_(warm)
-        self._warm.update(id(bucket.params[m.position]) for m in plan.matrices)
+        newly = {id(bucket.params[m.position]) for m in plan.matrices} - self._warm
+        if not ctx.shadow:  # a joined rank keeps its Q whatever happens, as the ranks that write theirs
+            self._undo[id(bucket)] = (plan.second, warm, newly)
+        self._warm |= newly
         bucket.bytes_sent += int(ring_bytes_per_rank(plan.second.numel() * plan.second.element_size(), size))
         yield "decompress"
         for m, matrix, basis in zip(plan.matrices, ms, bases):
@@ -230,6 +238,29 @@ class PowerSGDPath(LossyPath):
         if ctx.shadow:
             return False
         return bucket.read_flags()
+
+    # ---- the end of the pass ----------------------------------------------------------------------
+
+    def settle(self, bucket: Bucket, late: bool) -> None:
+        self._undo.pop(id(bucket), None)
+        super().settle(bucket, late)
+
+    def keep_local(self, bucket: Bucket) -> None:
+        self._take_back_q(bucket)
+        super().keep_local(bucket)
+
+    def forget(self, bucket: Bucket) -> None:
+        self._take_back_q(bucket)
+        super().forget(bucket)
+
+    def _take_back_q(self, bucket: Bucket) -> None:
+        """An aborted pass is no step (the same on every rank): the Q its sync of ``bucket`` computed is
+        put back, so the run goes on as one that skipped the batch."""
+        undo = self._undo.pop(id(bucket), None)
+        if undo is not None:
+            second, before, newly = undo
+            second.copy_(before)
+            self._warm -= newly
 
     # ---- checkpoints ------------------------------------------------------------------------------
 

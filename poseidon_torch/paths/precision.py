@@ -135,9 +135,9 @@ class CastPath(LossyPath):
     def reduce(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, AtOwners]:
         """Compressed pushes to the parameter server: every rank pushes its parts of M in the wire dtype
         over the default path's chunks (the shards' own), and each owner sums its chunks' parts in fp32
-        (fp64 for an fp64 bucket), in rank order, into the bucket's flat buffer, divided by P: the
-        average the owner steps from, not cast again (the new values are pulled exactly). The rank's new
-        residual is what its cast dropped."""
+        (fp64 for an fp64 bucket), in rank order, divided by P, into the bucket's flat buffer (in the
+        bucket's dtype, as the PS path's average): the average the owner steps from, not cast to the wire
+        dtype again (the new values are pulled exactly). The rank's new residual is what its cast dropped."""
         wire = self._push_of(bucket)
         yield "compress"
         m = self._cast(bucket, ctx, wire.buffer)
@@ -145,8 +145,8 @@ class CastPath(LossyPath):
         for messages in wire.schedule.push:
             run_messages(messages, groups)
         owned = [c for c in self.env.default.chunks_of(bucket) if c.owner == self.rank]
-        for chunk, (_, parts) in zip(owned, wire.schedule.aggregate):
-            _sum_into(bucket.flat[chunk.start:chunk.stop], parts, groups.size)
+        for chunk, (_, parts) in zip(owned, wire.schedule.aggregate):  # the rounding into a half bucket: dropped
+            _average_into(bucket.flat[chunk.start:chunk.stop], parts, groups.size, m.dtype)
         flags = wire.schedule.flags
         bucket.bytes_sent = wire.schedule.bytes_sent - wire.schedule.pull_bytes
         bucket.outcome = self.name
@@ -172,19 +172,13 @@ class CastPath(LossyPath):
         return self.propose_all(bucket, m, ctx)
 
 
-def _sum_into(out: Tensor, parts: list[Tensor], world_size: int) -> None:
-    """The mean of every rank's part, summed in ``out``'s dtype in rank order, into ``out``."""
-    out.copy_(parts[0])
-    for part in parts[1:]:
-        out += part.to(out.dtype)
-    out.div_(world_size)
-
-
 def _average_into(own: Tensor, parts: list[Tensor], world_size: int, dtype: torch.dtype) -> Tensor:
     """The mean of every rank's part, summed in ``dtype`` (fp32, or fp64 for an fp64 bucket) in rank
     order, cast into ``own``; what the cast lost."""
-    mean = torch.empty(own.shape, dtype=dtype, device=own.device)
-    _sum_into(mean, parts, world_size)
+    total = parts[0].to(dtype)
+    for part in parts[1:]:
+        total += part.to(dtype)
+    mean = total.div_(world_size)
     own.copy_(mean)
     return mean.sub_(own.to(dtype))
 
