@@ -558,8 +558,8 @@ class Engine:
         for bucket, ctx in zip(self.buckets, p.contexts):
             path = self.paths[ctx.path]
             if p.shadow or (grads is None and facts.aborted):
-                path.forget(bucket)
-            elif grads is None:  # the owners stepped from the averages (a ServerOptimizer)
+                path.forget(bucket, facts.aborted)
+            elif grads is None:  # the owners stepped from the averages (a mode that updates there)
                 path.settle(bucket, facts.late[bucket.index])
             elif facts.aborted:
                 path.keep_local(bucket)

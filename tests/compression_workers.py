@@ -184,6 +184,7 @@ def skipped_batch(rank: int, world_size: int, server: bool, raises: bool) -> dic
     wrapped.close()
     return out
 
+
 def own_state(wrapped: PoseidonDDP) -> dict:
     """The wrapper's consistency state with ``"paths"`` narrowed to this rank's own entry."""
     state = wrapped.consistency_state_dict()

@@ -213,15 +213,16 @@ class Path:
         """End of a pass no rank aborted whose average the owners stepped from (a ``ServerOptimizer``'s
         mode): nothing is written, so by default what the sync left is dropped, as by :meth:`forget`; a
         path whose state outlives the pass keeps it here (``late``: as in :meth:`write`)."""
-        self.forget(bucket)
+        self.forget(bucket, aborted=False)
 
     def keep_local(self, bucket: Bucket) -> None:
         """End of an aborted pass: this rank's gradient stays in ``.grad``, marked unsynced."""
         bucket.dirty |= bucket.seen
 
-    def forget(self, bucket: Bucket) -> None:
-        """End of a pass that writes nothing (a joined rank's shadow pass, or an aborted pass of a mode that
-        writes no gradient): what the sync left is dropped."""
+    def forget(self, bucket: Bucket, aborted: bool) -> None:
+        """End of a pass that writes nothing: a joined rank's shadow pass, or a pass some rank aborted
+        (``aborted``; in a mode that writes no gradient, or on a joined rank): what the sync left is
+        dropped."""
 
     def state_dict(self) -> dict:
         """What a checkpoint must carry of this path (``PoseidonDDP.consistency_state_dict``)."""
@@ -281,8 +282,8 @@ class WrappedPath(Path):
     def keep_local(self, bucket: Bucket) -> None:
         self.inner.keep_local(bucket)
 
-    def forget(self, bucket: Bucket) -> None:
-        self.inner.forget(bucket)
+    def forget(self, bucket: Bucket, aborted: bool) -> None:
+        self.inner.forget(bucket, aborted)
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

@@ -143,7 +143,7 @@ class LossyPath(Path):
         self._pending.pop(id(bucket), None)
         super().keep_local(bucket)
 
-    def forget(self, bucket: Bucket) -> None:
+    def forget(self, bucket: Bucket, aborted: bool) -> None:
         self._pending.pop(id(bucket), None)
 
     # ---- checkpoints ----------------------------------------------------------------------------

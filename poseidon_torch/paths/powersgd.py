@@ -226,8 +226,7 @@ class PowerSGDPath(LossyPath):
         if not bool(torch.isfinite(plan.second).all()):  # the same on every rank: GradScaler skips this step
             plan.second.copy_(warm)
         newly = {id(bucket.params[m.position]) for m in plan.matrices} - self._warm
-        if not ctx.shadow:  # a joined rank keeps its Q whatever happens, as the ranks that write theirs
-            self._undo[id(bucket)] = (plan.second, warm, newly)
+        self._undo[id(bucket)] = (plan.second, warm, newly)
         self._warm |= newly
         bucket.bytes_sent += int(ring_bytes_per_rank(plan.second.numel() * plan.second.element_size(), size))
         yield "decompress"
@@ -249,9 +248,13 @@ class PowerSGDPath(LossyPath):
         self._take_back_q(bucket)
         super().keep_local(bucket)
 
-    def forget(self, bucket: Bucket) -> None:
-        self._take_back_q(bucket)
-        super().forget(bucket)
+    def forget(self, bucket: Bucket, aborted: bool) -> None:
+        """A joined rank's shadow pass keeps the new Q, as the ranks that write theirs; an aborted pass
+        puts it back, on every rank alike."""
+        if aborted:
+            self._take_back_q(bucket)
+        self._undo.pop(id(bucket), None)
+        super().forget(bucket, aborted)
 
     def _take_back_q(self, bucket: Bucket) -> None:
         """An aborted pass is no step (the same on every rank): the Q its sync of ``bucket`` computed is

@@ -204,6 +204,6 @@ class SFBPath(Path):
             layer.add_to_grad(local)
             bucket.dirty.fill_(1)  # the bucket is the FC layer alone
 
-    def forget(self, bucket: Bucket) -> None:
+    def forget(self, bucket: Bucket, aborted: bool) -> None:
         bucket.fc.take_average()
         bucket.fc.take_local()
