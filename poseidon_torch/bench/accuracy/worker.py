@@ -209,8 +209,10 @@ class PeriodicConsensus(LocalSGDConsensus):
     at the start and after every H-th step (the sync runs inside that step). With ``delay`` d they agree
     only at the start (each keeps its d steps on top of what lands), and a rank finishes step kS + d only
     once every rank finished step kS (the sync it lands was sent by all; S = H / fragments, the steps
-    between two syncs): once rank 0 has done n steps, no rank is past step kS + d - 1 for the first
-    kS > n."""
+    between two syncs): once rank 0 has done n steps, no rank has finished step kS + d for the first
+    kS > n, but one may have started it (its backward sending that step's sync) before it reads the
+    published stop, so every rank stops after kS + d (after kS + d - 1 a rank that had started kS + d
+    waited at its close for a sync the others never sent: the CI failure of 2026-11-29)."""
 
     def __init__(self, baselines: Baselines, delay: int = 0, fragments: int = 1) -> None:
         super().__init__(baselines)
@@ -222,7 +224,7 @@ class PeriodicConsensus(LocalSGDConsensus):
     def next_meeting(self, steps_done: int) -> int:
         if not self.delay:
             return super().next_meeting(steps_done)
-        return (steps_done // self.spacing + 1) * self.spacing + self.delay - 1
+        return (steps_done // self.spacing + 1) * self.spacing + self.delay
 
 
 def consensus_for(mode: str, baselines: Baselines) -> LocalSGDConsensus | None:
