@@ -27,9 +27,8 @@ def script():
 
 @pytest.mark.parametrize("name", ["PowerSGD", "INT8", "BF16", "FP16"])
 def test_it_times_the_paths_own_sync_to_its_end(script, name):
-    """Every parameter's new residual was proposed (the last step of each path's sync), and the bucket
-    holds the path's average: PowerSGD's rank-4 projection of a 32 x 48 matrix is not the matrix, a
-    cast's average is the rounded M."""
+    """Every parameter's new residual was proposed (the last step of each path's sync), and it is not
+    zero: the path compressed (PowerSGD's rank-4 projection of a 32 x 48 matrix, a cast's rounding)."""
     torch.manual_seed(0)
     [layer] = script.layers_of(nn.Sequential(nn.Linear(48, 32, bias=False)))
     paths = Paths.build(PathEnv(0, 1, DEFAULT_CHUNK_BYTES, torch.device("cpu")))
