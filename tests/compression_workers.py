@@ -19,7 +19,7 @@ import placement
 from models import ModelSpec, batch, build
 from poseidon_torch import PoseidonDDP
 from poseidon_torch.paths import path_class
-from training import OPTIMIZERS, shard
+from training import OPTIMIZERS, BadBatch, shard
 
 #: the layers of a :class:`Given` model: per layer, its parameters' shapes (the first one is its "weight")
 Layers = tuple[tuple[tuple[int, ...], ...], ...]
@@ -159,19 +159,14 @@ def skipped_batch(rank: int, world_size: int, server: bool, raises: bool) -> dic
     wrapped = PoseidonDDP(model, timeout=60, fusion_bytes=0, overrides=layers,
                           compression={"powersgd": {"start_iter": 1, "rank": 2}})
     opt = ServerOptimizer(wrapped, torch.optim.SGD, lr=0.1) if server else torch.optim.SGD(model.parameters(), lr=0.1)
-    bad = {"now": False}
-
-    def raise_if_bad(grad: torch.Tensor) -> None:
-        if bad["now"]:
-            raise ValueError("bad batch")
-
-    model[0].weight.register_hook(raise_if_bad)
+    bad = BadBatch()
+    model[0].weight.register_hook(bad)
     for step in range(5):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
         if step == 3 and not raises:
             continue
-        bad["now"] = step == 3 and rank == 0
+        bad.now = step == 3 and rank == 0
         try:
             torch.nn.functional.mse_loss(wrapped(x), y).backward()
         except (ValueError, SyncError):

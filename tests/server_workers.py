@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import training
 from models import ModelSpec, batch, build
 from poseidon_torch import PoseidonDDP, ServerOptimizer
-from training import OPTIMIZERS, Run, poseidon_options, shard
+from training import OPTIMIZERS, BadBatch, Run, poseidon_options, shard
 
 
 def make_optimizer(wrapped: nn.Module, model: nn.Module, wrapper: str, name: str, lazy: bool):
@@ -308,17 +308,12 @@ def caught_exception_mid_sync(rank: int, world_size: int, path: str, server: boo
                 torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             # its jobs slowed (the engine starts here, after the optimizer is built: the mode is fixed then)
             slow(wrapped.engine.paths[path], ("rebuild",) if path == "SFB" else ("network",), 0.1)
-        bad = {"now": False}
-
-        def raise_if_bad(grad):
-            if bad["now"]:
-                raise ValueError("bad batch")
-
-        model[0].weight.register_hook(raise_if_bad)
+        bad = BadBatch()
+        model[0].weight.register_hook(bad)
         for step in range(3):
             g = torch.Generator().manual_seed(1000 * step + rank)
             x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
-            bad["now"] = step == bad_step
+            bad.now = step == bad_step
             if wrapper == "ddp" and step == bad_step:
                 continue  # the reference skips the bad batch
             loss = F.mse_loss(wrapped(x), y)
@@ -497,13 +492,13 @@ def checkpoint_after_a_caught_exception(rank: int, world_size: int, lazy: bool, 
         else:
             wrapped = DDP(model)
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        bad = {"now": False}
-        model[0].weight.register_hook(lambda grad: (_ for _ in ()).throw(ValueError("bad batch")) if bad["now"] else None)
+        bad = BadBatch()
+        model[0].weight.register_hook(bad)
         norm_in_except, waited = "unset", 0.0
         for step in range(2):
             g = torch.Generator().manual_seed(10 * step + rank)
             x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
-            bad["now"] = step == 1
+            bad.now = step == 1
             try:
                 F.mse_loss(wrapped(x), y).backward()
             except ValueError:

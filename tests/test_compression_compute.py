@@ -2,9 +2,7 @@
 against that path's predicted compute (a smoke run on the tiny language model, a few seconds)."""
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,15 +12,13 @@ from poseidon_torch.bucket import Bucket
 from poseidon_torch.paths import Paths, PathEnv
 from poseidon_torch.paths.ps import DEFAULT_CHUNK_BYTES
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compression_compute.py"
+from benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("compression_compute", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with benchmark_script("compression_compute") as module:
+        yield module
 
 
 @pytest.mark.parametrize("name", ["PowerSGD", "INT8", "BF16", "FP16"])

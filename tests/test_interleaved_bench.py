@@ -3,20 +3,16 @@ over the ranks, and each ratio pairs torch DDP with the mode within one round (n
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "interleaved.py"
+from benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("interleaved", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with benchmark_script("interleaved") as module:
+        yield module
 
 
 def test_rounds_pair_the_slowest_ranks_and_sum_the_cpu(script):

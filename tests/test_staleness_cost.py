@@ -2,25 +2,15 @@
 where they must (run on the digits task, a few seconds)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "staleness_cost.py"
+from benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("staleness_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up while the script runs
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_script("staleness_cost") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 @pytest.fixture(scope="module")

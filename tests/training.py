@@ -139,6 +139,18 @@ def _raise(grad: torch.Tensor) -> None:
     raise ValueError("bad batch")
 
 
+class BadBatch:
+    """A gradient hook that raises ``ValueError("bad batch")`` while ``now`` is set: the user's exception in
+    backward, on the steps and ranks a test chooses."""
+
+    def __init__(self) -> None:
+        self.now = False
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if self.now:
+            raise ValueError("bad batch")
+
+
 def train(rank: int, world_size: int, spec: ModelSpec, run: Run, steps: int, size: int) -> dict:
     """``run`` for ``steps`` steps of ``size`` samples per rank. Returns the final ``state``; per step
     the ``paths`` the buckets took and the bytes ``sent`` by path, ``.grad`` after backward (``grads``),
