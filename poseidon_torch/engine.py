@@ -196,15 +196,16 @@ class Engine:
 
     def layout(self) -> dict:
         """What a simulator needs of this model (:mod:`poseidon_torch.simulate`): the buckets in sync
-        order, each layer's parameter bytes and, for an FC layer, its shape and the largest rows per rank
-        of the last pass it was watched in (alone in a bucket; a layer never watched has no shape: its K
-        is unknown); what the mode says of its forwards; the link, GEMM rate and memory bandwidth (probed
+        order, each layer's parameter bytes and tensors' shapes and, for an FC layer, its shape and the
+        largest rows per rank of the last pass it was watched in (alone in a bucket; a layer never watched
+        has no FC shape: its K is unknown); what the mode says of its forwards; the link, GEMM rate and memory bandwidth (probed
         only with ``compression=``) the coordinator costs with."""
         def describe(layer: Layer) -> dict:
             fc = self.fc.get(layer.name)
             k = self.coordinator.k_known.get(layer.name)
             shape = {"m": fc.m, "n": fc.n, "k": k} if fc is not None and k else None
-            return {"name": layer.name, "bytes": layer.nbytes, "tensors": len(layer.params), "fc": shape}
+            return {"name": layer.name, "bytes": layer.nbytes, "tensors": len(layer.params), "fc": shape,
+                    "shapes": [list(p.shape) for _, p in layer.params]}
         return {"element_size": self.params[0].element_size() if self.params else 4, **self.mode.layout(),
                 "gemm_flops": self.coordinator.gemm_flops, "memory_bps": self.coordinator.memory_bps,
                 "link": {"alpha_s": self.link.alpha_s, "beta_s_per_byte": self.link.beta_s_per_byte},

@@ -25,18 +25,21 @@ def traced_delayed(rank: int, world_size: int, trace_dir: str) -> None:
     wrapped.close()
 
 
-def traced_bytes(rank: int, world_size: int, trace_dir: str, hybrid: bool, compression: str | None = None) -> dict:
-    """An MLP of four FC layers, each in a bucket of its own, traced over its last iterations on
-    ``slow_link()``, where SFB wins for the hidden layers (not the small head; with ``compression``, the
-    lossy path may win instead): the last iteration's bytes (every path's) and each bucket's path."""
+def traced_bytes(rank: int, world_size: int, trace_dir: str, hybrid: bool, compression: str | None = None,
+                 rows: int = 3) -> dict:
+    """An MLP of four FC layers, each in a bucket of its own, ``rows`` samples per rank, traced over its last
+    iterations on ``slow_link()``, where SFB wins for the hidden layers (not the small head; with
+    ``compression``, the lossy path may win instead): the last iteration's bytes (every path's) and each
+    bucket's path."""
     torch.manual_seed(0)
     spec = ModelSpec(widths=(48, 40, 24), batchnorm=False)
     model = build(spec, seed=0)
     wrapped = PoseidonDDP(model, timeout=60, trace_dir=trace_dir, trace_skip=SKIP, trace_iters=STEPS - SKIP,
-                          link=slow_link(), hybrid=hybrid, fusion_bytes=0, compression=compression)
+                          link=slow_link(), hybrid=hybrid, fusion_bytes=0,
+                          compression={compression: {"start_iter": 1}} if compression == "powersgd" else compression)
     for step in range(STEPS):
-        x, y = batch(spec, step, 3, world_size)
-        F.mse_loss(wrapped(shard(x, rank, 3)), shard(y, rank, 3)).backward()
+        x, y = batch(spec, step, rows, world_size)
+        F.mse_loss(wrapped(shard(x, rank, rows)), shard(y, rank, rows)).backward()
     stats = wrapped.comm_stats
     result = {"bytes": sum(sent for path, sent in stats.bytes_by_path.items() if path != "facts"),
               "outcomes": dict(stats.outcome_by_bucket),

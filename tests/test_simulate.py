@@ -193,6 +193,40 @@ def test_a_lossy_plan_must_be_predicted_five_percent_shorter_than_the_exact_one(
     assert fastest(profile, options) == jobs
 
 
+def test_poseidon_powersgd_costs_each_matrix_by_its_shape_as_the_coordinator_does():
+    """A 2000 x 1000 FC layer ready last at 80 Mbit/s: its exact sync (8 MB, ~0.8 s) is exposed, so
+    poseidon+powersgd puts it on PowerSGD (rank 4: (2000 + 1000) x 4 floats) with the bytes and compute the
+    path predicts from its shapes; the bias goes uncompressed in the same sync. The same layer with no
+    shapes in its profile is one flat tensor, which PowerSGD does not compress: the plan stays exact.
+    Pipelined, the link hides behind the compute and nothing is compressed."""
+    from poseidon_torch.paths import BucketCost
+    from poseidon_torch.simulate.schemes import PATHS
+
+    shapes = ((2000, 1000), (2000,))
+    wide = LayerProfile("wide", 4 * 2_002_000, 0.2, None, 2, shapes)
+    profile = Profile((LayerProfile("top", 4_000, 0.5), wide), 0.3, 0.0, memory_bps=20e9, gemm_flops=1e10)
+    (exact,) = predict(profile, ["poseidon"], [2], LINK)
+    (row,) = predict(profile, ["poseidon+powersgd"], [2], LINK)
+    assert row.sfb_layers == ("wide",)
+    jobs = {job.name: job for job in SCHEMES["poseidon+powersgd"].jobs(profile, 2, LINK)}
+    cost = BucketCost(4 * (2_002_000 + 3), 4 * 2_002_000, None, shapes, 4)
+    expected = PATHS["PowerSGD"].predict(cost, 2, LINK, 1e10, 20e9)
+    assert jobs["wide"].path == "PowerSGD" and jobs["wide"].lossy
+    assert (jobs["wide"].nbytes, jobs["wide"].compute_s) == (expected.bytes, expected.compute_s)
+    assert expected.bytes == (4 * (2000 * 4 + 2000 + 3) + 4 * 1000 * 4) * 2 * (2 - 1) / 2  # P and bias, then Q
+    assert row.exposed_comm_s < 0.1 < 0.8 < exact.exposed_comm_s  # the wide sync no longer holds up the step
+    flat = replace(profile, layers=(profile.layers[0], replace(wide, shapes=())))
+    assert predict(flat, ["poseidon+powersgd"], [2], LINK)[0] == replace(exact, scheme="poseidon+powersgd")
+    assert not predict(profile, ["poseidon+powersgd+delay"], [2], LINK)[0].sfb_layers
+
+
+def test_vgg19_22k_holds_every_tensors_shape():
+    profile = vgg19_22k()
+    assert profile.layers[0].shapes == ((21841, 4096), (21841,))
+    assert all(layer.elements * 4 == layer.nbytes and len(layer.shapes) == layer.tensors for layer in profile.layers)
+    assert Profile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+
+
 def lossy_options(backward_s: list[float], ps_s: list[float], compute_s: list[float]) -> tuple[Profile, list[list[Job]]]:
     """A profile of layers ready in order after ``backward_s``, each with a PS sync of ``ps_s`` seconds
     and an 8-bit one of no link time but ``compute_s`` seconds of compute."""
@@ -285,17 +319,20 @@ def test_vgg19_22k_profile_has_the_papers_size_and_iteration():
     assert [layer.name for layer in profile.layers[:3]] == ["fc8", "fc7", "fc6"]
 
 
-@pytest.mark.parametrize("hybrid, compression", [(True, None), (False, None), (True, "int8")],
-                         ids=["hybrid", "ps", "int8"])
+@pytest.mark.parametrize("hybrid, compression", [(True, None), (False, None), (True, "int8"), (True, "powersgd")],
+                         ids=["hybrid", "ps", "int8", "powersgd"])
 def test_bytes_and_plan_match_the_engines_counters(cluster, tmp_path, hybrid, compression):
     """The simulator fed the traced run's own trace, at its machines and link, sends what the engine
     counted (mean over ranks) and takes the same layers off the PS path, to the same paths: SFB, or with
-    ``compression="int8"`` the 8-bit path where the coordinator's model (bytes, and the compression
-    compute at the probed memory bandwidth the trace records) predicts the iteration shorter. Those
+    ``compression="int8"`` the 8-bit path (with ``"powersgd"`` PowerSGD, costed from the tensors' shapes the
+    trace records) where the coordinator's model (bytes, and the compression compute at the probed memory
+    bandwidth the trace records) predicts the iteration shorter. Those
     choices depend on when each layer's gradients were ready: the engine times them with the readiness of
     its first pass, the simulator with the trace's medians, so the simulator is given the engine's
     readiness (the profile's layers one job each, as the coordinator times them): one model, one plan."""
-    results = cluster.run(simulate_workers.traced_bytes, str(tmp_path), hybrid, compression)
+    # PowerSGD (rank 4) sends 4 (M + N) values a layer, SFB K (M + N) (P - 1): 8 rows make it PowerSGD's
+    rows = 8 if compression == "powersgd" else 3
+    results = cluster.run(simulate_workers.traced_bytes, str(tmp_path), hybrid, compression, rows)
     profile = from_trace(tmp_path / "trace_merged.json")
     link = LinkModel(**profile.link)
     scheme = "wfbp" if not hybrid else "poseidon" if compression is None else f"poseidon+{compression}"
@@ -304,15 +341,21 @@ def test_bytes_and_plan_match_the_engines_counters(cluster, tmp_path, hybrid, co
     if ready_s is not None:
         profile = as_timed_by_the_coordinator(profile, ready_s)
     (row,) = predict(profile, [scheme], [cluster.world_size], link)
-    assert row.bytes_per_machine == pytest.approx(sum(r["bytes"] for r in results) / cluster.world_size, rel=1e-12)
+    # the engine counts a ring all-reduce's 2 (P-1)/P share in whole bytes: PowerSGD's two per bucket may drop one each
+    truncated = 2 * len(results[0]["outcomes"]) if compression == "powersgd" else 0
+    assert row.bytes_per_machine == pytest.approx(sum(r["bytes"] for r in results) / cluster.world_size, rel=1e-12,
+                                                  abs=truncated)
     engine_off_ps = {name for name, outcome in results[0]["outcomes"].items() if outcome != "PS"}
     assert set(row.sfb_layers) == engine_off_ps
     jobs = {job.name: job.path for job in SCHEMES[scheme].jobs(profile, cluster.world_size, link)}
     assert {name: jobs[name] for name in engine_off_ps} == {name: results[0]["outcomes"][name] for name in engine_off_ps}
-    sfb = {"body.0", "body.2", "body.4"}
-    assert engine_off_ps == (set() if not hybrid else sfb if compression is None else engine_off_ps | sfb)
-    if compression is not None:
-        assert "INT8" in results[0]["outcomes"].values()  # the slow link makes some layer's int8 sync pay
+    sfb = {"body.0", "body.2", "body.4"}  # at 3 rows; at 8 the input layer's PS sync is the cheaper
+    if compression is None:
+        assert engine_off_ps == (sfb if hybrid else set())
+    elif compression == "int8":
+        assert sfb <= engine_off_ps
+    if compression is not None:  # the slow link makes some layer's compressed sync pay
+        assert {"int8": "INT8", "powersgd": "PowerSGD"}[compression] in results[0]["outcomes"].values()
     assert (profile.memory_bps is not None) == (compression is not None)
     assert profile.forward_s > 0 and all(layer.backward_s >= 0 for layer in profile.layers)
 
@@ -390,6 +433,9 @@ def test_cli_bad_input_is_a_clear_error(args, message, capsys):
     ({"forward_s": 0.0, "other_s": 0.0, "layers": [{"name": "a", "nbytes": 4, "backward_s": 0.0}]},
      "must be finite and > 0"),
     ({"forward_s": None}, "forward_s is a time"),
+    ({"layers": [{"name": "a", "nbytes": 12, "backward_s": 1.0, "shapes": [[2]]}]}, "shapes hold 2 elements"),
+    ({"layers": [{"name": "a", "nbytes": 8, "backward_s": 1.0, "shapes": [[2], [1]]}]}, "one tuple of sizes"),
+    ({"layers": [{"name": "a", "nbytes": 8, "backward_s": 1.0, "shapes": [2]}]}, "one tuple of sizes"),
 ])
 def test_a_bad_profile_is_refused_with_the_field_named(change, message):
     good = {**two_layers().to_dict(), "buckets": []}

@@ -85,8 +85,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="every compute time times this (e.g. a faster or busier machine) [1]")
     parser.add_argument("--gemm-gflops", type=float, help="SFB's rebuild GEMM rate [the trace's probe]")
     parser.add_argument("--memory-gbps", type=float,
-                        help="memory bandwidth in GB/s, the rate of a lossy path's compression (the poseidon+int8, "
-                             "+bf16, +fp16 schemes) [the trace's probe, taken by a run with compression=]")
+                        help="memory bandwidth in GB/s, the rate of a lossy path's compression (the poseidon+powersgd, "
+                             "+int8, +bf16, +fp16 schemes) [the trace's probe, taken by a run with compression=]")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--plot", metavar="PNG", help="write the speed-up curves")
     parser.add_argument("--profile-out", metavar="JSON",
@@ -137,9 +137,13 @@ def format_rows(rows: list[Row], profile: Profile, link: LinkModel, figures: dic
     if not any(layer.fc for layer in profile.layers) or profile.gemm_flops is None:
         lines.append("no FC layer with a known shape and rows (K) in the profile, or no GEMM rate: poseidon syncs as "
                      "wfbp (trace the default hybrid mode on 2 ranks to record them)")
-    if profile.memory_bps is None and any("+" in row.scheme and row.scheme.split("+")[1] in COMPRESSIONS for row in rows):
+    compressions = {row.scheme.split("+")[1] for row in rows if "+" in row.scheme} & set(COMPRESSIONS)
+    if profile.memory_bps is None and compressions:
         lines.append("no memory bandwidth in the profile (a run with compression= records one; or --memory-gbps): "
                      "the poseidon+<compression> schemes cannot cost a lossy path and sync as poseidon")
+    if "powersgd" in compressions and not any(layer.shapes for layer in profile.layers):
+        lines.append("no tensor shapes in the profile (traces record them since 2026-11-29; or 'shapes' per layer): "
+                     "poseidon+powersgd compresses nothing")
     traced = "" if profile.traced_gbps is None else f"; the traced syncs moved {profile.traced_gbps:.3g} Gbit/s"
     lines.append(f"profile: {profile.source}; {len(profile.layers)} layers, {format_bytes(profile.nbytes)}, "
                  f"one machine {profile.compute_s * 1e3:.1f} ms per iteration; GEMM {gemm}{traced}; link: {link}")

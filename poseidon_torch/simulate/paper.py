@@ -10,6 +10,8 @@ model's own compute (its FLOPs over 0.925 s). K = 32 rows per FC layer and machi
 """
 from __future__ import annotations
 
+import math
+
 from .profile import FCShape, LayerProfile, Profile
 
 NAME = "vgg19-22k"
@@ -34,16 +36,17 @@ _FCS = [("fc6", 512 * 7 * 7, 4096), ("fc7", 4096, 4096), ("fc8", 4096, 21841)]
 
 def vgg19_22k() -> Profile:
     """The VGG19-22K profile described in the module docstring (layers in backward order)."""
-    layers = []  # (name, parameters, forward FLOPs per sample, fc shape), input side first
+    layers = []  # (name, weight and bias shapes, forward FLOPs per sample, fc shape), input side first
     for name, c_in, c_out, size in _CONVS:
-        layers.append((name, 9 * c_in * c_out + c_out, 2.0 * 9 * c_in * c_out * size * size, None))
+        layers.append((name, ((c_out, c_in, 3, 3), (c_out,)), 2.0 * 9 * c_in * c_out * size * size, None))
     for name, n, m in _FCS:
-        layers.append((name, m * n + m, 2.0 * m * n, FCShape(m, n, BATCH)))
+        layers.append((name, ((m, n), (m,)), 2.0 * m * n, FCShape(m, n, BATCH)))
     forward = sum(flops for _, _, flops, _ in layers)
     backward = [flops * (1.0 if i == 0 else 2.0) for i, (_, _, flops, _) in enumerate(layers)]
     total = forward + sum(backward)
     seconds_per_flop = ITERATION_S / total
-    profiled = [LayerProfile(name, 4 * params, flops * seconds_per_flop, fc, 2)
-                for (name, params, _, fc), flops in zip(layers, backward)]
+    profiled = [LayerProfile(name, 4 * sum(math.prod(shape) for shape in shapes), flops * seconds_per_flop, fc,
+                             len(shapes), shapes)
+                for (name, shapes, _, fc), flops in zip(layers, backward)]
     return Profile(tuple(reversed(profiled)), forward * seconds_per_flop, 0.0, (), 4, BATCH * total / ITERATION_S,
                    BATCH, "VGG19-22K shapes, compute split by FLOPs to 0.925 s per iteration (Poseidon, ATC'17)")

@@ -1,8 +1,9 @@
 """A model's profile: what the simulator needs to replay one iteration on any number of machines.
 
 A profile lists the layers in the order their gradients become ready (backward order), each with its
-parameter bytes, its share of the backward compute in seconds and, for an FC layer, its shape (M outputs,
-N inputs, K rows per machine and iteration); the forward's seconds; the seconds between iterations
+parameter bytes, its share of the backward compute in seconds, its parameter tensors' shapes (what
+PowerSGD costs a layer by; optional) and, for an FC layer, its FC shape (M outputs, N inputs, K rows per
+machine and iteration); the forward's seconds; the seconds between iterations
 (optimizer step, data: ``other_s``); and the buckets of the traced run (neighbouring layers synced as one
 job). Three sources:
 
@@ -14,7 +15,8 @@ job). Three sources:
 - :mod:`.paper`: layer shapes, with compute split by FLOPs.
 
 Invariants: every time is finite and >= 0; every layer name is unique; ``buckets`` (when given)
-partitions the layers into runs of neighbours, in order.
+partitions the layers into runs of neighbours, in order; a layer's ``shapes`` (when given) are one per
+tensor and hold its bytes exactly.
 """
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ class LayerProfile:
     backward_s: float      #: this layer's share of the backward compute
     fc: FCShape | None = None
     tensors: int = 1       #: parameter tensors (the PS path sends a flag per tensor)
+    #: each parameter tensor's shape; () = unknown (a lossy path then sees the layer as one flat tensor,
+    #: which PowerSGD does not compress)
+    shapes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -57,6 +62,15 @@ class LayerProfile:
             raise ValueError(f"layer {self.name!r}: nbytes is an int >= 0 and tensors an int > 0, got "
                              f"{self.nbytes!r}, {self.tensors!r}")
         _check_time(f"layer {self.name!r} backward_s", self.backward_s)
+        if self.shapes and not (isinstance(self.shapes, tuple) and len(self.shapes) == self.tensors and all(
+                isinstance(shape, tuple) and all(_is_int(size) and size >= 0 for size in shape) for shape in self.shapes)):
+            raise ValueError(f"layer {self.name!r}: shapes is one tuple of sizes (ints >= 0) per tensor "
+                             f"({self.tensors}), got {self.shapes!r}")
+
+    @property
+    def elements(self) -> int | None:
+        """The elements its shapes hold (None: no shapes)."""
+        return sum(math.prod(shape) for shape in self.shapes) if self.shapes else None
 
 
 @dataclass(frozen=True)
@@ -91,6 +105,10 @@ class Profile:
             raise ValueError("a profile's buckets must list every layer once, in the layers' order")
         if self.element_size not in (1, 2, 4, 8):
             raise ValueError(f"a profile's element_size is 1, 2, 4 or 8 bytes, got {self.element_size!r}")
+        for layer in self.layers:
+            if layer.shapes and layer.elements * self.element_size != layer.nbytes:
+                raise ValueError(f"layer {layer.name!r}: its shapes hold {layer.elements} elements of "
+                                 f"{self.element_size} bytes, not its {layer.nbytes} bytes")
         for name, value in (("gemm_flops", self.gemm_flops), ("traced_gbps", self.traced_gbps),
                             ("memory_bps", self.memory_bps)):
             if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
@@ -133,7 +151,8 @@ class Profile:
         """A profile from its JSON fields (:meth:`to_dict`); a missing or mistyped field is a ValueError."""
         try:
             layers = tuple(LayerProfile(layer["name"], layer["nbytes"], layer["backward_s"],
-                                        FCShape(**layer["fc"]) if layer.get("fc") else None, layer.get("tensors", 1))
+                                        FCShape(**layer["fc"]) if layer.get("fc") else None, layer.get("tensors", 1),
+                                        _shapes(layer.get("shapes")))
                            for layer in data["layers"])
             return cls(layers, data["forward_s"], data.get("other_s", 0.0),
                        tuple(tuple(bucket) for bucket in data.get("buckets", ())), data.get("element_size", 4),
@@ -145,8 +164,18 @@ class Profile:
             raise ValueError(f"not a profile: {exc} ({PROFILE_FIELDS})") from None
 
 
-PROFILE_FIELDS = ("fields: layers [name, nbytes, backward_s, fc {m, n, k}, tensors], forward_s, other_s, buckets, "
+PROFILE_FIELDS = ("fields: layers [name, nbytes, backward_s, fc {m, n, k}, tensors, shapes], forward_s, other_s, buckets, "
                   "element_size, gemm_flops, samples, memory_bps")
+
+
+def _shapes(value: object) -> tuple:
+    """JSON's lists of sizes as the tuples a layer holds (what is not a list of lists stays as it is, for
+    the layer's own check to name)."""
+    if value is None:
+        return ()
+    if isinstance(value, list) and all(isinstance(shape, list) for shape in value):
+        return tuple(tuple(shape) for shape in value)
+    return value
 
 
 def _is_int(value: object) -> bool:
@@ -203,7 +232,8 @@ def _profile_of(path: PathLike, layout: dict, ranks: dict[int, list[Span]]) -> P
         total = sum(layer["bytes"] for layer in bucket["layers"]) or 1
         buckets.append(tuple(layer["name"] for layer in bucket["layers"]))
         layers += [LayerProfile(layer["name"], layer["bytes"], seconds * layer["bytes"] / total,
-                                FCShape(**layer["fc"]) if layer["fc"] else None, layer["tensors"])
+                                FCShape(**layer["fc"]) if layer["fc"] else None, layer["tensors"],
+                                _shapes(layer.get("shapes")))  # traces before the shapes were recorded: ()
                    for layer in bucket["layers"]]
     forward = _median_by_name(ranks, "forward", per_name=False).get(None, 0.0)
     source = f"trace {path}" + (" (parameter-server run: the schemes send what the default mode sends)"

@@ -14,12 +14,13 @@ what it costs. The timeline (:mod:`.timeline`) is the same for all of them.
   (:func:`~.timeline.fastest`, as the coordinator chooses: a sync hidden under the backward stays on the
   default path). SFB's cost grows with the machines, PS's does not; its link part uses the link, its
   compute part (SFB's rebuild GEMM) the compute lane (it runs on the same cores or GPU as the backward);
-- ``poseidon+int8``, ``poseidon+bf16``, ``poseidon+fp16``: ``PoseidonDDP(compression=...)``: the same
-  choice with that lossy path among the candidates, costed as the coordinator costs it (its bytes, and
-  its compression compute at the profile's memory bandwidth, on the compute lane), a layer going on it
-  only where that shortens the predicted iteration (:func:`~.timeline.fastest`); without a memory
-  bandwidth in the profile no lossy path can be costed and the scheme is ``poseidon``. (PowerSGD needs
-  each tensor's shape, which a profile does not hold: not offered);
+- ``poseidon+powersgd``, ``poseidon+int8``, ``poseidon+bf16``, ``poseidon+fp16``:
+  ``PoseidonDDP(compression=...)`` with the path's default settings (PowerSGD: rank 4): the same choice
+  with that lossy path among the candidates, costed as the coordinator costs it (its bytes, and its
+  compression compute at the profile's memory bandwidth, on the compute lane), a layer going on it only
+  where that shortens the predicted iteration (:func:`~.timeline.fastest`); without a memory bandwidth
+  in the profile no lossy path can be costed and the scheme is ``poseidon``. PowerSGD reads each
+  tensor's shape: a layer whose profile holds none is one flat tensor to it, which it does not compress;
 - ``<scheme>+delay``: Pipe-SGD (``delay >= 1``): the same jobs, overlapping the next iteration.
 
 Costs come from the registered paths' own predictions (``Path.predict``: the bytes our paths send and
@@ -128,8 +129,7 @@ class Poseidon(Scheme):
         fc = FCCost(layer.fc.m, layer.fc.n, layer.fc.k, profile.element_size) if layer.fc is not None else None
         elements = layer.nbytes // profile.element_size
         nbytes = flat_numel(elements, layer.tensors) * profile.element_size  # its bucket's, flags included
-        # a profile knows the layer's elements, not its tensors' shapes: all a cast path reads of them
-        cost = BucketCost(nbytes, layer.nbytes, fc, ((elements,),), profile.element_size)
+        cost = BucketCost(nbytes, layer.nbytes, fc, layer.shapes or ((elements,),), profile.element_size)
         rates = (profile.gemm_flops, profile.memory_bps)
         default = PATHS.default.predict(cost, hosts, link, *rates).seconds
         cheaper = []
@@ -161,8 +161,8 @@ def _ps_job(layers: list[LayerProfile], after: int, hosts: int, element_size: in
     return Job("+".join(layer.name for layer in layers), after, predicted.seconds, predicted.bytes, PATHS.default.name)
 
 
-#: the lossy paths a scheme may name: those a profile holds enough to cost (not PowerSGD: shapes)
-COMPRESSIONS = ("int8", "bf16", "fp16")
+#: the lossy paths a scheme may name
+COMPRESSIONS = ("powersgd", "int8", "bf16", "fp16")
 SCHEMES: dict[str, Scheme] = {scheme.name: scheme for scheme in (
     TorchDDP(), PlainPS(), WFBP(), Poseidon(), Delayed(WFBP()), Delayed(Poseidon()),
     *(Poseidon(option) for option in COMPRESSIONS), *(Delayed(Poseidon(option)) for option in COMPRESSIONS))}
