@@ -814,6 +814,23 @@ def test_a_refused_checkpoint_changes_nothing(cluster):
         assert after.get("coordinator") == before.get("coordinator"), (before, after)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([torch.float64, torch.float32, torch.float16, torch.bfloat16]), st.integers(0, 300),
+       st.data())
+def test_the_finiteness_check_finds_any_nan_or_inf(dtype, numel, data):
+    """``all_finite`` (one min/max pass; it decides whether a sync's residuals are kept) agrees with
+    ``isfinite().all()`` wherever a NaN or an infinity stands, and on tensors at the dtype's extremes."""
+    from poseidon_torch.paths.lossy import all_finite
+
+    big = torch.finfo(dtype).max
+    tensor = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 1.0, -big, big]), min_size=numel,
+                                             max_size=numel)), dtype=torch.float64).to(dtype)
+    if numel:
+        for value in data.draw(st.lists(st.sampled_from([float("nan"), float("inf"), -float("inf")]), max_size=3)):
+            tensor[data.draw(st.integers(0, numel - 1))] = value
+    assert all_finite(tensor) == bool(torch.isfinite(tensor).all())
+
+
 @pytest.mark.parametrize("path", ["PowerSGD", "INT8", "BF16", "FP16"])
 def test_an_overflowed_step_leaves_the_residuals_as_they_were(cluster, path):
     """An inf in one rank's gradient (an fp16 overflow under GradScaler, which skips that step) gives a

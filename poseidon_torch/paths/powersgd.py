@@ -49,7 +49,7 @@ from ..link import LinkModel
 from ..pools import ChannelGroups
 from .allreduce import ring_bytes_per_rank
 from .base import BucketCost, PathEnv, Prediction, SyncContext
-from .lossy import LossyPath
+from .lossy import LossyPath, all_finite
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
@@ -223,7 +223,7 @@ class PowerSGDPath(LossyPath):
         yield "network"
         groups.all_reduce(plan.second)
         plan.second.div_(size)
-        if not bool(torch.isfinite(plan.second).all()):  # the same on every rank: GradScaler skips this step
+        if not all_finite(plan.second):  # the same on every rank: GradScaler skips this step
             plan.second.copy_(warm)
         newly = {id(bucket.params[m.position]) for m in plan.matrices} - self._warm
         self._undo[id(bucket)] = (plan.second, warm, newly)
@@ -231,8 +231,12 @@ class PowerSGDPath(LossyPath):
         bucket.bytes_sent += int(ring_bytes_per_rank(plan.second.numel() * plan.second.element_size(), size))
         yield "decompress"
         for m, matrix, basis in zip(plan.matrices, ms, bases):
-            average = basis @ m.q.T
-            grads[m.position].copy_(average.view_as(grads[m.position]))
+            grad = grads[m.position].view(m.rows, m.cols)
+            if grad.dtype == matrix.dtype:  # the product straight into the bucket: no 16 MB buffer per embedding
+                average = torch.matmul(basis, m.q.T, out=grad)
+            else:  # a half-precision bucket: the residual is taken against the fp32 average
+                average = basis @ m.q.T
+                grad.copy_(average)
             self.propose(bucket, bucket.params[m.position], matrix.sub_(average).view_as(grads[m.position]))
         if ctx.shadow:
             return False
