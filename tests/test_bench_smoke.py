@@ -18,9 +18,9 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASELINES = ("torch-ddp-powersgd", "torch-ddp-localsgd", "one-host")
-MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", *BASELINES)
+MODES = ("compute-only", "torch-ddp", "poseidon-ps", "poseidon-hybrid", "poseidon-server-bf16", *BASELINES)
 ITERS = 4  # a whole period of local SGD's averaging (every 4 steps)
-RUN_TIMEOUT_S = 600  # seven modes, up to two worker processes each, on a slow, shared 2-core machine
+RUN_TIMEOUT_S = 600  # eight modes, up to two worker processes each, on a slow, shared 2-core machine
 #: the module-scoped run is set up inside its first test: that test's limit must cover it
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 

@@ -27,7 +27,8 @@ baselines of a slow network
 hybrid with ``compression={"powersgd": ...}`` at the baseline's ``--powersgd-rank`` and
 ``--powersgd-start-iter``, so it is compared with ``torch-ddp-powersgd`` at the same settings),
 ``poseidon-powersgd-delay1`` (the same with ``delay=1``), ``poseidon-bf16`` (``compression="bf16"``) and
-``poseidon-int8`` (``compression="int8"``). ``poseidon-localsgd-delay3`` is ``poseidon-localsgd`` with
+``poseidon-int8`` (``compression="int8"``); ``poseidon-server-powersgd``, ``-bf16`` and ``-int8`` are
+``poseidon-server`` with the same ``compression=`` (compressed pushes, the owners step, exact pulls). ``poseidon-localsgd-delay3`` is ``poseidon-localsgd`` with
 ``delay=3``: each sync overlaps the next 3 steps; ``poseidon-streaming`` is local SGD in as many
 fragments as the period has steps (or ``--streaming-fragments``), one synced every period / fragments
 steps with ``delay=1`` (Streaming DiLoCo's schedule);
@@ -81,13 +82,17 @@ from poseidon_torch.bench.workloads import WORKLOADS, Workload, build, placed, p
 
 #: ServerOptimizer with SSP's bound (``staleness=s``) or asynchronous (None): ranks on their own clocks
 STALE_MODES = {"poseidon-ssp1": 1, "poseidon-ssp3": 3, "poseidon-async": None}
-SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-priority", *STALE_MODES)
+#: a BSP ServerOptimizer with compressed pushes: the lossy path each names (``compression=``)
+SERVER_COMPRESSION_MODES = {"poseidon-server-powersgd": "powersgd", "poseidon-server-bf16": "bf16",
+                            "poseidon-server-int8": "int8"}
+SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-priority", *STALE_MODES,
+                *SERVER_COMPRESSION_MODES)
 #: Pipe-SGD: the default mode (hybrid) with ``delay=k``
 DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2, "poseidon-ps-delay1": 1, "poseidon-powersgd-delay1": 1,
                "poseidon-localsgd-delay3": 3, "poseidon-streaming": 1, "poseidon-streaming-int8": 1}
 #: the lossy path each compressed mode names (``compression=``)
 COMPRESSION_MODES = {"poseidon-powersgd": "powersgd", "poseidon-powersgd-delay1": "powersgd", "poseidon-bf16": "bf16",
-                     "poseidon-int8": "int8", "poseidon-streaming-int8": "int8"}
+                     "poseidon-int8": "int8", "poseidon-streaming-int8": "int8", **SERVER_COMPRESSION_MODES}
 #: periodic averaging, ``sync_every`` = the local SGD baseline's period, and its outer optimizer: none (local
 #: SGD on the parameters), DiLoCo's, or SGD at lr 1 (local SGD on pseudo-gradients, which a lossy path carries)
 PERIODIC_MODES = {"poseidon-localsgd": "none", "poseidon-diloco": "diloco", "poseidon-localsgd-delay3": "none",
