@@ -47,3 +47,26 @@ def traced_bytes(rank: int, world_size: int, trace_dir: str, hybrid: bool, compr
               "ready_s": wrapped.consistency_state_dict().get("coordinator", {}).get("ready_s")}
     wrapped.close()  # waits for the trace files
     return result
+
+
+
+class _DoubleHead(torch.nn.Module):
+    """An fp32 layer, then an fp64 head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.body(x)).double())
+
+
+def traced_mixed_dtypes(rank: int, world_size: int, trace_dir: str) -> None:
+    """A traced model whose head is fp64 behind an fp32 layer (the trace's one element size is fp32's)."""
+    torch.manual_seed(0)
+    wrapped = PoseidonDDP(_DoubleHead(), timeout=60, trace_dir=trace_dir, trace_skip=1, trace_iters=2)
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g, dtype=torch.float64)
+        F.mse_loss(wrapped(x), y).backward()
+    wrapped.close()

@@ -436,6 +436,8 @@ def test_cli_bad_input_is_a_clear_error(args, message, capsys):
     ({"layers": [{"name": "a", "nbytes": 12, "backward_s": 1.0, "shapes": [[2]]}]}, "shapes hold 2 elements"),
     ({"layers": [{"name": "a", "nbytes": 8, "backward_s": 1.0, "shapes": [[2], [1]]}]}, "one tuple of sizes"),
     ({"layers": [{"name": "a", "nbytes": 8, "backward_s": 1.0, "shapes": [2]}]}, "one tuple of sizes"),
+    ({"layers": [{"name": "a", "nbytes": 8, "backward_s": 1.0, "shapes": 0}]}, "one tuple of sizes"),
+    ({"layers": [{"name": "a", "nbytes": 8, "backward_s": 1.0, "shapes": {}}]}, "one tuple of sizes"),
 ])
 def test_a_bad_profile_is_refused_with_the_field_named(change, message):
     good = {**two_layers().to_dict(), "buckets": []}
@@ -462,6 +464,18 @@ def test_a_trace_whose_forward_waits_for_the_network_is_refused(cluster, tmp_pat
     cluster.run(simulate_workers.traced_delayed, str(tmp_path))
     with pytest.raises(ValueError, match="forward or backward waits for the last step"):
         from_trace(tmp_path / "trace_merged.json")
+
+
+def test_a_trace_of_a_model_of_two_dtypes_keeps_the_shapes_that_hold_its_bytes(cluster, tmp_path):
+    """The trace's element size is the first parameter's (fp32): the fp32 layer keeps its shapes, the fp64
+    head's (which would hold half its bytes at 4 bytes an element) are dropped, and the profile loads and
+    predicts, as before shapes were recorded."""
+    cluster.run(simulate_workers.traced_mixed_dtypes, str(tmp_path))
+    layers = {layer.name: layer for layer in from_trace(tmp_path / "trace_merged.json").layers}
+    assert layers["body"].shapes == ((32, 16), (32,)) and layers["head"].shapes == ()
+    assert layers["head"].nbytes == 8 * (32 * 4 + 4)
+    (row,) = predict(from_trace(tmp_path / "trace_merged.json"), ["poseidon+powersgd"], [2], LINK)
+    assert row.iteration_s > 0
 
 
 def test_a_trace_without_layout_is_refused(tmp_path):

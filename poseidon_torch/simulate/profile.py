@@ -62,7 +62,7 @@ class LayerProfile:
             raise ValueError(f"layer {self.name!r}: nbytes is an int >= 0 and tensors an int > 0, got "
                              f"{self.nbytes!r}, {self.tensors!r}")
         _check_time(f"layer {self.name!r} backward_s", self.backward_s)
-        if self.shapes and not (isinstance(self.shapes, tuple) and len(self.shapes) == self.tensors and all(
+        if not isinstance(self.shapes, tuple) or self.shapes and not (len(self.shapes) == self.tensors and all(
                 isinstance(shape, tuple) and all(_is_int(size) and size >= 0 for size in shape) for shape in self.shapes)):
             raise ValueError(f"layer {self.name!r}: shapes is one tuple of sizes (ints >= 0) per tensor "
                              f"({self.tensors}), got {self.shapes!r}")
@@ -233,13 +233,23 @@ def _profile_of(path: PathLike, layout: dict, ranks: dict[int, list[Span]]) -> P
         buckets.append(tuple(layer["name"] for layer in bucket["layers"]))
         layers += [LayerProfile(layer["name"], layer["bytes"], seconds * layer["bytes"] / total,
                                 FCShape(**layer["fc"]) if layer["fc"] else None, layer["tensors"],
-                                _shapes(layer.get("shapes")))  # traces before the shapes were recorded: ()
+                                _traced_shapes(layer, layout["element_size"]))
                    for layer in bucket["layers"]]
     forward = _median_by_name(ranks, "forward", per_name=False).get(None, 0.0)
     source = f"trace {path}" + (" (parameter-server run: the schemes send what the default mode sends)"
                                 if layout.get("server") else "")
     return Profile(tuple(layers), forward, _median_gap(ranks), tuple(buckets), layout["element_size"],
                    layout["gemm_flops"], None, source, layout["link"], _wire_gbps(ranks), layout.get("memory_bps"))
+
+
+def _traced_shapes(layer: dict, element_size: int) -> tuple:
+    """A traced layer's shapes: () where the trace has none (written before they were recorded) or where
+    they do not hold the layer's bytes at the profile's one element size (a layer of another dtype than the
+    model's first parameter: the profile sizes it by its bytes alone, as before shapes were recorded)."""
+    shapes = _shapes(layer.get("shapes"))
+    if isinstance(shapes, tuple) and sum(math.prod(shape) for shape in shapes) * element_size == layer["bytes"]:
+        return shapes
+    return ()
 
 
 def _wire_gbps(ranks: dict[int, list[Span]]) -> float | None:
