@@ -142,7 +142,7 @@ def format_rows(rows: list[Row], profile: Profile, link: LinkModel, figures: dic
         lines.append("no memory bandwidth in the profile (a run with compression= records one; or --memory-gbps): "
                      "the poseidon+<compression> schemes cannot cost a lossy path and sync as poseidon")
     if "powersgd" in compressions and not any(layer.shapes for layer in profile.layers):
-        lines.append("no tensor shapes in the profile (traces record them since 2026-11-29; or 'shapes' per layer): "
+        lines.append("no tensor shapes in the profile (a trace of this version records them; or 'shapes' per layer): "
                      "poseidon+powersgd compresses nothing")
     traced = "" if profile.traced_gbps is None else f"; the traced syncs moved {profile.traced_gbps:.3g} Gbit/s"
     lines.append(f"profile: {profile.source}; {len(profile.layers)} layers, {format_bytes(profile.nbytes)}, "
