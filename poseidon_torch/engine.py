@@ -198,8 +198,8 @@ class Engine:
         """What a simulator needs of this model (:mod:`poseidon_torch.simulate`): the buckets in sync
         order, each layer's parameter bytes and tensors' shapes and, for an FC layer, its shape and the
         largest rows per rank of the last pass it was watched in (alone in a bucket; a layer never watched
-        has no FC shape: its K is unknown); what the mode says of its forwards; the link, GEMM rate and memory bandwidth (probed
-        only with ``compression=``) the coordinator costs with."""
+        has no FC shape: its K is unknown); what the mode says of its forwards; the link, GEMM rate and
+        memory bandwidth (probed only with ``compression=``) the coordinator costs with."""
         def describe(layer: Layer) -> dict:
             fc = self.fc.get(layer.name)
             k = self.coordinator.k_known.get(layer.name)

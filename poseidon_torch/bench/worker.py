@@ -28,9 +28,9 @@ hybrid with ``compression={"powersgd": ...}`` at the baseline's ``--powersgd-ran
 ``--powersgd-start-iter``, so it is compared with ``torch-ddp-powersgd`` at the same settings),
 ``poseidon-powersgd-delay1`` (the same with ``delay=1``), ``poseidon-bf16`` (``compression="bf16"``) and
 ``poseidon-int8`` (``compression="int8"``); ``poseidon-server-powersgd``, ``-bf16`` and ``-int8`` are
-``poseidon-server`` with the same ``compression=`` (compressed pushes, the owners step, exact pulls). ``poseidon-localsgd-delay3`` is ``poseidon-localsgd`` with
-``delay=3``: each sync overlaps the next 3 steps; ``poseidon-streaming`` is local SGD in as many
-fragments as the period has steps (or ``--streaming-fragments``), one synced every period / fragments
+``poseidon-server`` with the same ``compression=`` (compressed pushes, the owners step, exact pulls).
+``poseidon-localsgd-delay3`` is ``poseidon-localsgd`` with ``delay=3``: each sync overlaps the next 3
+steps; ``poseidon-streaming`` is local SGD in as many fragments as the period has steps (or ``--streaming-fragments``), one synced every period / fragments
 steps with ``delay=1`` (Streaming DiLoCo's schedule);
 ``poseidon-streaming-int8`` is the same schedule on pseudo-gradients (DiLoCo with an outer SGD of lr 1,
 which is local SGD) sent as 8 bits with error feedback (``compression="int8"``).
