@@ -327,7 +327,9 @@ def timed_loop(args: argparse.Namespace, model: nn.Module, workload: Workload, r
     tx_end = read_tx_bytes(args.wire_iface) if args.wire_iface else 0
     written_end = written_bytes()
     jobs = model.comm_stats.jobs_last_iteration if args.mode in POSEIDON_MODES else None
+    paths = dict(model.comm_stats.outcome_by_bucket) if args.mode in POSEIDON_MODES else None
     return {"times": times, "loop_s": loop_s, "losses": losses, "api_bytes_per_iter": api_bytes / args.iters, "jobs_last_iter": jobs,
+            "paths_last_iter": paths,
             "wire_bytes_per_iter": (tx_end - tx_start) / args.iters,
             "sent_bytes_per_iter": None if written_start is None else (written_end - written_start) / args.iters,
             "cpu_s_per_iter": (cpu_seconds() - cpu_start - batching_cpu_s) / args.iters,
@@ -376,6 +378,7 @@ def summarise(args: argparse.Namespace, records: list[dict], workload: Workload,
     if args.mode in POSEIDON_MODES:
         result["comm_stats_bytes_per_iter_by_rank"] = [r["api_bytes_per_iter"] for r in records]
         result["sync_jobs_last_iter"] = records[0]["jobs_last_iter"]  # the learned buckets (+ late re-syncs)
+        result["paths_last_iter"] = records[0]["paths_last_iter"]  # each bucket's path (the same on every rank)
     if args.mode == "compute-only":
         result["profile"] = profile(workload)
     return result
