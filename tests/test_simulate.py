@@ -425,6 +425,8 @@ def test_cli_bad_input_is_a_clear_error(args, message, capsys):
 
 @pytest.mark.parametrize("change, message", [
     ({"layers": [{"name": "a", "nbytes": -4, "backward_s": 1.0}]}, "nbytes is an int >= 0"),
+    ({"layers": [{"name": "a", "nbytes": 4 * 10 ** 400, "backward_s": 1.0}]}, "nbytes is an int >= 0"),
+    ({"layers": [{"name": "a", "nbytes": 4, "backward_s": 1.0, "fc": {"m": 2 ** 63, "n": 2, "k": 1}}]}, "ints > 0"),
     ({"layers": [{"name": "a", "nbytes": 4, "backward_s": 1.0, "fc": {"m": 2, "n": 2, "k": 0}}]}, "ints > 0"),
     ({"gemm_flops": 0}, "gemm_flops is a finite number > 0"),
     ({"element_size": 0}, "element_size is 1, 2, 4 or 8"),

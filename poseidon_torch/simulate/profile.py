@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
@@ -40,8 +41,8 @@ class FCShape:
     k: int
 
     def __post_init__(self) -> None:
-        if not all(_is_int(v) and v > 0 for v in (self.m, self.n, self.k)):
-            raise ValueError(f"an FC layer's m, n and k are ints > 0, got {self.m!r}, {self.n!r}, {self.k!r}")
+        if not all(_is_count(v, 1) for v in (self.m, self.n, self.k)):
+            raise ValueError(f"an FC layer's m, n and k are ints > 0 (and < 2**63), got {self.m!r}, {self.n!r}, {self.k!r}")
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,12 @@ class LayerProfile:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise ValueError(f"a layer's name is a string, got {self.name!r}")
-        if not (_is_int(self.nbytes) and self.nbytes >= 0 and _is_int(self.tensors) and self.tensors > 0):
-            raise ValueError(f"layer {self.name!r}: nbytes is an int >= 0 and tensors an int > 0, got "
-                             f"{self.nbytes!r}, {self.tensors!r}")
+        if not (_is_count(self.nbytes, 0) and _is_count(self.tensors, 1)):
+            raise ValueError(f"layer {self.name!r}: nbytes is an int >= 0 and tensors an int > 0 (both < 2**63), got "
+                             f"{reprlib.repr(self.nbytes)}, {reprlib.repr(self.tensors)}")
         _check_time(f"layer {self.name!r} backward_s", self.backward_s)
         if not isinstance(self.shapes, tuple) or self.shapes and not (len(self.shapes) == self.tensors and all(
-                isinstance(shape, tuple) and all(_is_int(size) and size >= 0 for size in shape) for shape in self.shapes)):
+                isinstance(shape, tuple) and all(_is_count(size, 0) for size in shape) for shape in self.shapes)):
             raise ValueError(f"layer {self.name!r}: shapes is one tuple of sizes (ints >= 0) per tensor "
                              f"({self.tensors}), got {self.shapes!r}")
 
@@ -113,7 +114,7 @@ class Profile:
                             ("memory_bps", self.memory_bps)):
             if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
                 raise ValueError(f"a profile's {name} is a finite number > 0 (or null), got {value!r}")
-        if self.samples is not None and not (_is_int(self.samples) and self.samples > 0):
+        if self.samples is not None and not _is_count(self.samples, 1):
             raise ValueError(f"a profile's samples is an int > 0 (or null), got {self.samples!r}")
 
     @property
@@ -180,6 +181,12 @@ def _shapes(value: object) -> tuple:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_count(value: object, minimum: int) -> bool:
+    """An int from ``minimum`` up to what a tensor's size can be (below 2**63): a larger one would overflow
+    the float arithmetic of the predictions."""
+    return _is_int(value) and minimum <= value < 2**63
 
 
 def _is_number(value: object) -> bool:
