@@ -25,8 +25,7 @@ One model of the iteration: a path that sends less but computes more (SFB's rebu
 only where the sync is exposed. So once the iteration can be modelled, every candidate is weighed by the
 iteration it gives, in the simulator's timeline (:func:`~poseidon_torch.simulate.timeline.fastest`, which
 the simulator's ``poseidon`` schemes call too): every layer's backward on one compute lane, timed by the
-readiness of rank 0's synced pass ``WARM_PASS`` (shared; until then of the pass the buckets were first
-learned from, which is cold: every buffer used for the first time; or a checkpoint's), each
+readiness of the pass the buckets were first learned from (rank 0's, shared; or a checkpoint's), each
 layer's sync a job on the link once ready (the default path's, or a candidate's), a path's compute on the
 compute lane; BSP, or a pipeline for a mode whose syncs overlap the next step (``pipelined``). Until the
 buckets are learned an exact candidate is taken by its sync alone and a lossy one waits; the plan made
@@ -63,11 +62,6 @@ from .simulate.timeline import Job, fastest
 
 #: timed plans a coordinator remembers, by their options (:meth:`Coordinator._timed_plan`)
 PLANS_KEPT = 32
-#: the synced pass whose readiness (rank 0's) times the iteration model for the rest of the run: the first
-#: pass, which the buckets are learned from, is cold (every buffer and kernel used for the first time, its
-#: backward up to several times longer: syncs it hides are exposed in the passes after it); the second runs
-#: the new buckets for the first time; the third is warm
-WARM_PASS = 3
 
 
 @dataclass(frozen=True)
@@ -135,9 +129,8 @@ class Coordinator:
         #: layers whose lossy path won by cost but may not start yet (``start_iter``): kept alone in a bucket
         self.waiting: dict[str, str] = {}
         self.solo: set[str] = set()  #: layers that have a bucket of their own
-        #: per layer, seconds from the start of backward to its gradients' readiness in rank 0's pass
-        #: ``WARM_PASS`` (until then the pass the buckets were first learned from), shared, or a checkpoint's:
-        #: the iteration model's compute lane
+        #: per layer, seconds from the start of backward to its gradients' readiness in the pass the buckets
+        #: were first learned from (rank 0's, shared), or a checkpoint's: the iteration model's compute lane
         self.ready_s: dict[str, float] | None = None
         self._planned_blind = False  #: the current plan was made before the iteration could be modelled
         self._timed: OrderedDict[tuple, list[Job]] = OrderedDict()  #: timed plans by their options, oldest first
@@ -175,8 +168,8 @@ class Coordinator:
                         ready_s: Mapping[str, float] | None = None) -> None:
         """The engine installed new ``buckets`` (in sync order), learned (from a pass whose layers'
         gradients were ready at ``ready_s``, seconds from the start of its backward) or not yet. The first
-        readiness times (or a checkpoint's) are kept until :meth:`warm_readiness` replaces them, so a
-        rebuild's pass never changes the model. Once the iteration can be modelled, a plan made without the model (its lossy
+        readiness times (or a checkpoint's) are kept for the run, so the plan never depends on a later
+        pass's timing. Once the iteration can be modelled, a plan made without the model (its lossy
         layers waiting for it) is made again, its exact paths kept: the forwards of the next pass may
         have committed to a factor path."""
         self.learned = learned
@@ -188,16 +181,6 @@ class Coordinator:
             kept = {name: path for name, path in self.chosen.items() if self.paths[path].exact}
             self.chosen = {**{name: path for name, path in chosen.items() if name not in kept}, **kept}
             self._planned_blind = False
-
-    def wants_warm_readiness(self) -> bool:
-        """Whether the pass just absorbed is synced pass ``WARM_PASS`` (the same answer on every rank) and
-        a plan depends on the readiness: some layer may be put on a path by cost."""
-        return self.passes == WARM_PASS and self.routed is None and bool(self.fc or self.compressible)
-
-    def warm_readiness(self, ready_s: Mapping[str, float]) -> None:
-        """Time the iteration model by ``ready_s`` (rank 0's readiness in pass ``WARM_PASS``, shared) from
-        the next plan on, for the rest of the run (a checkpoint carries them)."""
-        self.ready_s = dict(ready_s)
 
     def wanted_solo(self) -> set[str]:
         """Layers that should get a bucket of their own: off the default path (or waiting to leave it), or
@@ -367,8 +350,8 @@ class Coordinator:
     def _fastest(self, cheaper: Mapping[str, list[tuple[str, Prediction]]]) -> dict[str, str]:
         """Per layer with ``cheaper`` paths, the one it takes. Once the iteration can be modelled, a path only
         where it shortens the predicted iteration (:func:`~poseidon_torch.simulate.timeline.fastest`, the
-        simulator's model: the layers' backward on one compute lane, timed by the shared readiness
-        (:attr:`ready_s`), each layer's sync a job on the link, a path's compute on the compute lane); a
+        simulator's model: the layers' backward on one compute lane, timed by the readiness the buckets
+        were learned from, each layer's sync a job on the link, a path's compute on the compute lane); a
         sync hidden under the backward stays on the default path, whatever a path would save on it. Until
         then (lossy paths wait for the model) the fastest exact path by its sync alone."""
         if not self._modelled():
@@ -390,7 +373,7 @@ class Coordinator:
     def _timed_plan(self, profile: Profile, options: list[list[Job]]) -> list[Job]:
         """:func:`~poseidon_torch.simulate.timeline.fastest` of ``options``, the last ``PLANS_KEPT`` remembered:
         a few hundred layers cost it a tenth of a second or more, and the options change only with a path's
-        start, an FC layer's K or a sticky fact (the profile only with the warm pass's or a checkpoint's readiness), so a model
+        start, an FC layer's K or a sticky fact (the profile only with a checkpoint's readiness), so a model
         whose K takes a few values (lengths padded to a multiple, or bucketed) times each plan once."""
         key = profile, tuple(map(tuple, options))
         plan = self._timed.pop(key, None)

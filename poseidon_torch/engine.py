@@ -534,7 +534,6 @@ class Engine:
         if traced is not None:
             self._record_pass(p, traced)
         if not facts.aborted:
-            self._share_warm_readiness(p)
             self.coordinator.plan_next()
             if self.mode.pass_closed(facts, self._learned):
                 self._replan()
@@ -815,18 +814,6 @@ class Engine:
         groups = group_layers(layers, self.fusion_bytes, self.coordinator.wanted_solo(), ready_s, cost)
         self._learned = True
         self._install(build_buckets(groups, self.staged, self._fc_of), ready_s)
-
-    def _share_warm_readiness(self, p: Pass) -> None:
-        """In the synced pass the coordinator times its model by (``WARM_PASS``, the same on every rank;
-        collective then), rank 0's readiness of this pass, given to every rank's coordinator before it plans
-        the next pass. Skipped everywhere where rank 0 ran no backward of its own (a joined rank's shadow)."""
-        if not (self.mode.lockstep and self.coordinator.wants_warm_readiness()):
-            return
-        mine = (self.core.order, self.core.order_ns) if self.rank == 0 and not p.shadow and self.core.order else None
-        shared = self.control.all_gather_objects(mine)[0]
-        if shared is not None:
-            order, order_ns = shared
-            self.coordinator.warm_readiness(readiness_order(self.layers, order, [t / 1e9 for t in order_ns])[1])
 
     def _job_cost(self, seconds: list[float]) -> JobCost:
         """Seconds per sync job of a bucket of n bytes, fitted (Theil-Sen) to what this pass's jobs

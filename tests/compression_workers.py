@@ -9,12 +9,10 @@ same per-rank inputs.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import placement
@@ -339,37 +337,3 @@ def overflow_once(rank: int, world_size: int, layers: Layers, path: str, steps: 
             out["residuals"].append(own_state(wrapped)["paths"][path]["residual"])
     wrapped.close()
     return out
-
-
-class Paused(nn.Module):
-    """Two linear layers, ``body`` then ``head``; with ``pause`` > 0 its backward sleeps that many seconds
-    between the head's gradients and the body's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 2)
-        self.pause = 0.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.body(x)
-        if self.pause:
-            pause = self.pause
-            hidden.register_hook(lambda grad: time.sleep(pause))
-        return self.head(torch.relu(hidden))
-
-
-def readiness_by_step(rank: int, world_size: int, pauses: dict[int, float]) -> list[dict[str, float] | None]:
-    """Steps of :class:`Paused` under ``compression="int8"``, rank 0's backward paused as ``pauses`` says
-    (seconds by step): after each step, the readiness the coordinator times its model by (its checkpoint
-    state carries it)."""
-    torch.manual_seed(0)
-    model = Paused()
-    wrapped = PoseidonDDP(model, timeout=60, compression="int8")
-    seen = []
-    for step in range(max(pauses) + 2):
-        model.pause = pauses.get(step, 0.0) if rank == 0 else 0.0
-        g = torch.Generator().manual_seed(10 * step + rank)
-        F.mse_loss(wrapped(torch.randn(4, 8, generator=g)), torch.randn(4, 2, generator=g)).backward()
-        seen.append(wrapped.consistency_state_dict()["coordinator"].get("ready_s"))
-    wrapped.close()
-    return seen

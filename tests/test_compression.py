@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import compression_workers as cw
 from models import ModelSpec, build
 from poseidon_torch.bucket import Bucket, Layer, build_buckets, find_layers, flat_numel
-from poseidon_torch.coordinator import WARM_PASS, Coordinator
+from poseidon_torch.coordinator import Coordinator
 from poseidon_torch.fc import FCLayer, fc_spec
 from poseidon_torch.link import LinkModel
 from poseidon_torch.paths import BucketCost, Paths, PathEnv, compression_option, path_class
@@ -722,45 +722,6 @@ def test_a_lossy_path_waits_for_the_iteration_model():
     assert coordinator.wanted_solo() == {"layers.0"}
     coordinator.buckets_changed(alone(layers), learned=True, ready_s={"layers.0": 0.0})
     assert (coordinator.chosen, coordinator.waiting) == ({"layers.0": "INT8"}, {})
-
-
-def test_the_warm_pass_readiness_replans_a_sync_the_cold_pass_hid():
-    """The first pass is cold: there a 1024 x 1024 layer was ready first, under 10 s more of backward, so
-    its sync hid and it stays exact. Pass ``WARM_PASS``'s readiness (which the engine shares) has the
-    layer ready last: its sync is exposed, and the next plan compresses it. Only that pass asks for it,
-    a checkpoint carries it, and a coordinator that chooses nothing by cost never asks."""
-    layers = model_of((((1024, 1024),), ((64,),)))
-    coordinator = planner(layers, 2, LinkModel.from_gbps(0.1), ("int8",))
-    coordinator.buckets_changed(alone(layers), learned=True, ready_s={"layers.0": 0.0, "layers.1": 10.0})
-    asked, chosen = [], []
-    for _ in range(WARM_PASS + 2):
-        coordinator.absorb(torch.zeros(2, 5, dtype=torch.int64), 2)
-        asked.append(coordinator.wants_warm_readiness())
-        if asked[-1]:
-            coordinator.warm_readiness({"layers.0": 1.0, "layers.1": 0.0})
-        coordinator.plan_next()
-        chosen.append(dict(coordinator.chosen))
-    assert asked == [False] * (WARM_PASS - 1) + [True, False, False]
-    assert chosen == [{}] * (WARM_PASS - 1) + [{"layers.0": "INT8"}] * 3
-    assert coordinator.state_dict()["ready_s"] == {"layers.0": 1.0, "layers.1": 0.0}
-    exact_only = planner(layers, 2, LinkModel.from_gbps(0.1), ())
-    exact_only.buckets_changed(alone(layers), learned=True, ready_s={"layers.0": 0.0, "layers.1": 10.0})
-    for _ in range(WARM_PASS + 1):
-        exact_only.absorb(torch.zeros(2, 5, dtype=torch.int64), 2)
-        assert not exact_only.wants_warm_readiness()
-
-
-def test_every_rank_times_its_model_by_rank_0s_warm_pass(cluster):
-    """The engine hands every rank's coordinator rank 0's readiness of pass ``WARM_PASS`` and keeps it: rank
-    0 pauses its backward 0.5 s between the head's gradients and the body's in pass ``WARM_PASS`` (and
-    1.5 s two passes later), the other ranks never. Every rank holds the same readiness after every step:
-    the first pass's until pass ``WARM_PASS``, that pass's (the body 0.5 s after the head) from then on."""
-    pause = 0.5
-    results = cluster.run(cw.readiness_by_step, {WARM_PASS - 1: pause, WARM_PASS + 1: 3 * pause})
-    assert all(seen == results[0] for seen in results)
-    gaps = [ready["body"] - ready["head"] for ready in results[0]]
-    assert all(0 <= gap < pause for gap in gaps[:WARM_PASS - 1]), gaps
-    assert len(set(gaps[WARM_PASS - 1:])) == 1 and pause <= gaps[-1] < 2 * pause, gaps
 
 
 def test_a_lossy_path_waits_for_its_start_iter():
