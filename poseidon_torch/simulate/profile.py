@@ -42,7 +42,8 @@ class FCShape:
 
     def __post_init__(self) -> None:
         if not all(_is_count(v, 1) for v in (self.m, self.n, self.k)):
-            raise ValueError(f"an FC layer's m, n and k are ints > 0 (and < 2**63), got {self.m!r}, {self.n!r}, {self.k!r}")
+            raise ValueError(f"an FC layer's m, n and k are ints > 0 (and < 2**63), got "
+                             f"{reprlib.repr(self.m)}, {reprlib.repr(self.n)}, {reprlib.repr(self.k)}")
 
 
 @dataclass(frozen=True)
