@@ -45,7 +45,7 @@ TRAIN_MODES = {
     "server-pipe-sgd": ["--server", "--delay", "1", "--steps", "20"],
     "ssp2": ["--server", "--staleness", "2", "--steps", "20"],
     "async": ["--server", "--staleness", "none", "--steps", "20"],
-    "downpour": ["--server", "--staleness", "none", "--push-every", "2", "--fetch-every", "3", "--steps", "20"],
+    "downpour": ["--server", "--staleness", "none", "--push-every", "2", "--fetch-every", "3", "--steps", "30"],
 }
 SUMMARY = re.compile(r"^\[(\w+)\] loss ([0-9.]+) -> ([0-9.]+) ", re.MULTILINE)
 
