@@ -30,8 +30,9 @@ hybrid with ``compression={"powersgd": ...}`` at the baseline's ``--powersgd-ran
 ``poseidon-int8`` (``compression="int8"``); ``poseidon-server-powersgd``, ``-bf16`` and ``-int8`` are
 ``poseidon-server`` with the same ``compression=`` (compressed pushes, the owners step, exact pulls).
 ``poseidon-localsgd-delay3`` is ``poseidon-localsgd`` with ``delay=3``: each sync overlaps the next 3
-steps; ``poseidon-streaming`` is local SGD in as many fragments as the period has steps (or ``--streaming-fragments``), one synced every period / fragments
-steps with ``delay=1`` (Streaming DiLoCo's schedule);
+steps; ``poseidon-streaming`` is local SGD in as many fragments as the period has steps (or
+``--streaming-fragments``), one synced every period / fragments steps with ``delay=1`` (Streaming
+DiLoCo's schedule);
 ``poseidon-streaming-int8`` is the same schedule on pseudo-gradients (DiLoCo with an outer SGD of lr 1,
 which is local SGD) sent as 8 bits with error feedback (``compression="int8"``).
 All modes use gloo, initialised from the env variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
