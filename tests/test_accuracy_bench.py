@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from poseidon_torch.bench.accuracy.__main__ import parse_args as parse_accuracy_args
 from poseidon_torch.bench.accuracy.report import divergence_from, slowest_level_speedup, time_to, value_at
@@ -254,14 +255,19 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: tu
 
 def test_the_streaming_modes_take_their_fragments_and_the_others_none() -> None:
     """``--streaming-fragments`` reaches PoseidonDDP's ``fragments`` in the streaming modes only (default:
-    one per step of the period), and the results record it."""
+    one per step of the period), and the results record it; the compressed streaming modes are local SGD
+    on pseudo-gradients (an outer SGD of lr 1) through their lossy path, with ``delay=1``."""
     from poseidon_torch.bench.baselines import Baselines
-    from poseidon_torch.bench.worker import periodic_for
+    from poseidon_torch.bench.worker import DELAY_MODES, compression_for, periodic_for
 
     outer = (object, {})
     sixteen = Baselines(localsgd_period=16, streaming_fragments=8)
     assert periodic_for("poseidon-streaming", sixteen, outer) == {"sync_every": 16, "outer": None, "fragments": 8}
     assert periodic_for("poseidon-streaming-int8", Baselines(localsgd_period=8), outer)["fragments"] == 8
+    for mode, option in (("poseidon-streaming-int8", "int8"), ("poseidon-streaming-bf16", "bf16")):  # pseudo-gradients
+        assert periodic_for(mode, sixteen, outer) == {"sync_every": 16, "outer": (torch.optim.SGD, {"lr": 1.0}),
+                                                      "fragments": 8}
+        assert compression_for(mode, sixteen) == {option: None} and DELAY_MODES[mode] == 1
     assert periodic_for("poseidon-diloco", sixteen, outer) == {"sync_every": 16, "outer": outer, "fragments": 1}
     assert periodic_for("poseidon-hybrid", sixteen, outer) == {}
     assert sixteen.describe(["poseidon-streaming", "torch-ddp"]) == {"poseidon-streaming": {"sync_every": 16,

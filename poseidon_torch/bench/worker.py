@@ -33,8 +33,9 @@ hybrid with ``compression={"powersgd": ...}`` at the baseline's ``--powersgd-ran
 steps; ``poseidon-streaming`` is local SGD in as many fragments as the period has steps (or
 ``--streaming-fragments``), one synced every period / fragments steps with ``delay=1`` (Streaming
 DiLoCo's schedule);
-``poseidon-streaming-int8`` is the same schedule on pseudo-gradients (DiLoCo with an outer SGD of lr 1,
-which is local SGD) sent as 8 bits with error feedback (``compression="int8"``).
+``poseidon-streaming-int8`` and ``poseidon-streaming-bf16`` are the same schedule on pseudo-gradients (DiLoCo
+with an outer SGD of lr 1, which is local SGD) sent as 8 bits or as bf16 with error feedback
+(``compression="int8"`` or ``"bf16"``).
 All modes use gloo, initialised from the env variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
 Invariants:
@@ -90,16 +91,19 @@ SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy
                 *SERVER_COMPRESSION_MODES)
 #: Pipe-SGD: the default mode (hybrid) with ``delay=k``
 DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2, "poseidon-ps-delay1": 1, "poseidon-powersgd-delay1": 1,
-               "poseidon-localsgd-delay3": 3, "poseidon-streaming": 1, "poseidon-streaming-int8": 1}
+               "poseidon-localsgd-delay3": 3, "poseidon-streaming": 1, "poseidon-streaming-int8": 1,
+               "poseidon-streaming-bf16": 1}
 #: the lossy path each compressed mode names (``compression=``)
 COMPRESSION_MODES = {"poseidon-powersgd": "powersgd", "poseidon-powersgd-delay1": "powersgd", "poseidon-bf16": "bf16",
-                     "poseidon-int8": "int8", "poseidon-streaming-int8": "int8", **SERVER_COMPRESSION_MODES}
+                     "poseidon-int8": "int8", "poseidon-streaming-int8": "int8",
+                     "poseidon-streaming-bf16": "bf16", **SERVER_COMPRESSION_MODES}
 #: periodic averaging, ``sync_every`` = the local SGD baseline's period, and its outer optimizer: none (local
 #: SGD on the parameters), DiLoCo's, or SGD at lr 1 (local SGD on pseudo-gradients, which a lossy path carries)
 PERIODIC_MODES = {"poseidon-localsgd": "none", "poseidon-diloco": "diloco", "poseidon-localsgd-delay3": "none",
-                  "poseidon-streaming": "none", "poseidon-streaming-int8": "sgd"}
+                  "poseidon-streaming": "none", "poseidon-streaming-int8": "sgd",
+                  "poseidon-streaming-bf16": "sgd"}
 #: periodic modes that cut the model into fragments, one per step of the period
-STREAMING_MODES = ("poseidon-streaming", "poseidon-streaming-int8")
+STREAMING_MODES = ("poseidon-streaming", "poseidon-streaming-int8", "poseidon-streaming-bf16")
 PS_ONLY_MODES = ("poseidon-ps", "poseidon-ps-python", "poseidon-ps-delay1")  #: every layer on the PS path
 POSEIDON_MODES = ("poseidon-ps", "poseidon-hybrid", "poseidon-ps-python", *SERVER_MODES, *DELAY_MODES,
                   *COMPRESSION_MODES, *PERIODIC_MODES)
