@@ -242,6 +242,8 @@ def test_a_bad_straggler_is_refused_with_the_reason(text: str, message: str) -> 
     (("--powersgd-start-iter", "1"), "--powersgd-start-iter: must be >= 2 (torch's PowerSGD"),
     (("--localsgd-period", "0"), "--localsgd-period: must be >= 1"),
     (("--localsgd-period", "4", "--streaming-fragments", "3"), "(3) must divide --localsgd-period (4)"),
+    (("--localsgd-period", "8", "--streaming-fragments", "4", "--streaming-delay", "3"),
+     "--streaming-delay (3) must be between 1 and period / fragments (2)"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, args: tuple, message: str,
                                                         capsys: pytest.CaptureFixture) -> None:
@@ -258,7 +260,7 @@ def test_the_streaming_modes_take_their_fragments_and_the_others_none() -> None:
     one per step of the period), and the results record it; the compressed streaming modes are local SGD
     on pseudo-gradients (an outer SGD of lr 1) through their lossy path, with ``delay=1``."""
     from poseidon_torch.bench.baselines import Baselines
-    from poseidon_torch.bench.worker import DELAY_MODES, compression_for, periodic_for
+    from poseidon_torch.bench.worker import DELAY_MODES, compression_for, delay_for, periodic_for
 
     outer = (object, {})
     sixteen = Baselines(localsgd_period=16, streaming_fragments=8)
@@ -271,7 +273,12 @@ def test_the_streaming_modes_take_their_fragments_and_the_others_none() -> None:
     assert periodic_for("poseidon-diloco", sixteen, outer) == {"sync_every": 16, "outer": outer, "fragments": 1}
     assert periodic_for("poseidon-hybrid", sixteen, outer) == {}
     assert sixteen.describe(["poseidon-streaming", "torch-ddp"]) == {"poseidon-streaming": {"sync_every": 16,
-                                                                                           "fragments": 8}}
+                                                                                           "fragments": 8, "delay": 1}}
+    later = Baselines(localsgd_period=16, streaming_fragments=8, streaming_delay=2)
+    assert [delay_for(mode, later) for mode in ("poseidon-streaming", "poseidon-streaming-bf16", "poseidon-localsgd-delay3",
+                                                "poseidon-delay1", "poseidon-hybrid")] == [2, 2, 3, 1, 0]
+    with pytest.raises(ValueError, match=r"--streaming-delay \(3\) must be between 1 and period / fragments \(2\)"):
+        Baselines(localsgd_period=16, streaming_fragments=8, streaming_delay=3)
 
 
 def test_a_streaming_run_stops_at_a_step_of_its_own_fragment_schedule() -> None:
@@ -289,6 +296,9 @@ def test_a_streaming_run_stops_at_a_step_of_its_own_fragment_schedule() -> None:
     assert [eight.next_meeting(n) for n in (189, 190, 191, 192)] == [191, 193, 193, 195]
     per_step = consensus_for("poseidon-streaming", Baselines(localsgd_period=16))
     assert [per_step.next_meeting(n) for n in (190, 191)] == [192, 193]
+    two_in_flight = consensus_for("poseidon-streaming", Baselines(localsgd_period=16, streaming_fragments=8,
+                                                                  streaming_delay=2))
+    assert [two_in_flight.next_meeting(n) for n in (189, 190, 191)] == [192, 194, 194]
 
 
 @pytest.mark.slow
@@ -646,7 +656,7 @@ def test_the_results_record_the_baseline_options_the_modes_read_and_warn_of_the_
 
     args = parse_args(["--steps", "2", "--modes", "torch-ddp,poseidon-streaming", "--localsgd-period", "8",
                        "--powersgd-rank", "2", "--out", str(tmp_path)])
-    assert options_read(args) == {"localsgd_period": 8, "streaming_fragments": None}
+    assert options_read(args) == {"localsgd_period": 8, "streaming_fragments": None, "streaming_delay": 1}
     assert "warning: --powersgd-rank 2: no mode of --modes reads it" in capsys.readouterr().err
     parse_args(["--steps", "2", "--modes", "poseidon-localsgd", "--streaming-fragments", "2", "--out", str(tmp_path)])
     assert "warning: --streaming-fragments 2: no mode of --modes reads it" in capsys.readouterr().err

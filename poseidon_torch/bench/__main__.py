@@ -135,7 +135,7 @@ def timed_baselines(args: argparse.Namespace) -> Baselines:
     earliest start on, where ``--warmup`` is shorter: only without ``torch-ddp-powersgd``, which the parser
     refuses then), local SGD has no warm-up (torch's default)."""
     return Baselines(args.powersgd_rank, max(args.warmup, POWERSGD_MIN_START), args.localsgd_period,
-                     TORCH_LOCALSGD_WARMUP, args.streaming_fragments)
+                     TORCH_LOCALSGD_WARMUP, args.streaming_fragments, args.streaming_delay)
 
 
 def overlap_from_trace(trace_dir: Path | None) -> float | None:

@@ -65,11 +65,17 @@ class Baselines:
     #: PoseidonDDP's streaming modes (``poseidon-streaming*``, whose period is ``localsgd_period`` too): the
     #: fragments of the model, one synced every period / fragments steps (None: one per step of the period)
     streaming_fragments: int | None = None
+    #: the streaming modes' ``delay``: the inner steps a fragment's sync stays in flight before it lands
+    streaming_delay: int = 1
 
     def __post_init__(self) -> None:
         if self.streaming_fragments is not None and self.localsgd_period % self.streaming_fragments:
             raise ValueError(f"--streaming-fragments ({self.streaming_fragments}) must divide --localsgd-period "
                              f"({self.localsgd_period}): one fragment syncs every period / fragments steps")
+        spacing = self.localsgd_period // self.fragments
+        if not 1 <= self.streaming_delay <= spacing:
+            raise ValueError(f"--streaming-delay ({self.streaming_delay}) must be between 1 and period / fragments "
+                             f"({spacing}): a fragment's sync lands before the next one is sent")
 
     @property
     def fragments(self) -> int:
@@ -96,7 +102,8 @@ class Baselines:
             described[ONE_HOST] = {"ranks": 1, "data": "host 0's shard among the hosts", "communication": "none"}
         for mode in modes:
             if mode.startswith(STREAMING_PREFIX):
-                described[mode] = {"sync_every": self.localsgd_period, "fragments": self.fragments}
+                described[mode] = {"sync_every": self.localsgd_period, "fragments": self.fragments,
+                                   "delay": self.streaming_delay}
         return described
 
     def footnotes(self, modes: list[str]) -> list[str]:
@@ -139,6 +146,9 @@ def add_baseline_arguments(parser: argparse.ArgumentParser, warm_ups: bool = Tru
     parser.add_argument("--streaming-fragments", type=_int_at_least(1), default=None,
                         help="poseidon-streaming modes: the model's fragments, one synced every period / fragments "
                              "steps (default: one per step of --localsgd-period)")
+    parser.add_argument("--streaming-delay", type=_int_at_least(1), default=defaults.streaming_delay,
+                        help="poseidon-streaming modes: the steps a fragment's sync stays in flight before it lands "
+                             "(PoseidonDDP's delay; at most period / fragments)")
     if warm_ups:
         parser.add_argument("--powersgd-start-iter", type=_int_at_least(POWERSGD_MIN_START, START_REASON), default=defaults.powersgd_start_iter,
                             help=f"{POWERSGD}: plain all-reduce for this many steps first (torch's default: "
@@ -153,7 +163,7 @@ def baselines_from(args: argparse.Namespace) -> Baselines:
     defaults = Baselines()
     return Baselines(args.powersgd_rank, getattr(args, "powersgd_start_iter", defaults.powersgd_start_iter),
                      args.localsgd_period, getattr(args, "localsgd_warmup", defaults.localsgd_warmup),
-                     args.streaming_fragments)
+                     args.streaming_fragments, args.streaming_delay)
 
 
 def baseline_argv(baselines: Baselines) -> list[str]:
@@ -161,7 +171,8 @@ def baseline_argv(baselines: Baselines) -> list[str]:
     return ["--powersgd-rank", str(baselines.powersgd_rank), "--powersgd-start-iter",
             str(baselines.powersgd_start_iter), "--localsgd-period", str(baselines.localsgd_period),
             "--localsgd-warmup", str(baselines.localsgd_warmup),
-            *(["--streaming-fragments", str(baselines.streaming_fragments)] if baselines.streaming_fragments else [])]
+            *(["--streaming-fragments", str(baselines.streaming_fragments)] if baselines.streaming_fragments else []),
+            "--streaming-delay", str(baselines.streaming_delay)]
 
 
 def ranks_for(mode: str, hosts: int) -> int:

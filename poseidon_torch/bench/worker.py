@@ -31,8 +31,8 @@ hybrid with ``compression={"powersgd": ...}`` at the baseline's ``--powersgd-ran
 ``poseidon-server`` with the same ``compression=`` (compressed pushes, the owners step, exact pulls).
 ``poseidon-localsgd-delay3`` is ``poseidon-localsgd`` with ``delay=3``: each sync overlaps the next 3
 steps; ``poseidon-streaming`` is local SGD in as many fragments as the period has steps (or
-``--streaming-fragments``), one synced every period / fragments steps with ``delay=1`` (Streaming
-DiLoCo's schedule);
+``--streaming-fragments``), one synced every period / fragments steps with ``delay=1`` (or
+``--streaming-delay``; Streaming DiLoCo's schedule);
 ``poseidon-streaming-int8`` and ``poseidon-streaming-bf16`` are the same schedule on pseudo-gradients (DiLoCo
 with an outer SGD of lr 1, which is local SGD) sent as 8 bits or as bf16 with error feedback
 (``compression="int8"`` or ``"bf16"``).
@@ -124,7 +124,7 @@ def baseline_options_of(mode: str) -> tuple[str, ...]:
     if mode == LOCALSGD:
         return LOCALSGD_OPTIONS
     if mode in STREAMING_MODES:
-        return LOCALSGD_OPTIONS[0], "streaming_fragments"
+        return LOCALSGD_OPTIONS[0], "streaming_fragments", "streaming_delay"
     return LOCALSGD_OPTIONS[:1] if mode in PERIODIC_MODES else ()
 
 
@@ -176,7 +176,7 @@ def wrapper_for(mode: str, timeout: float, trace_dir: str | None = None,
     if mode == "poseidon-server-lazy-priority":
         os.environ["POSEIDON_PULL_PRIORITY"] = "1"
     return lambda module: PoseidonDDP(module, hybrid=hybrid, timeout=timeout / 2, trace_dir=trace_dir,
-                                      engine=engine, delay=DELAY_MODES.get(mode, 0),
+                                      engine=engine, delay=delay_for(mode, baselines),
                                       compression=compression_for(mode, baselines),
                                       **periodic_for(mode, baselines, DILOCO_OUTER))
 
@@ -188,6 +188,11 @@ def periodic_for(mode: str, baselines: Baselines, diloco_outer: tuple) -> dict:
         return {}
     outer = {"none": None, "diloco": diloco_outer, "sgd": (torch.optim.SGD, {"lr": 1.0})}[PERIODIC_MODES[mode]]
     return {"sync_every": baselines.localsgd_period, "outer": outer, "fragments": fragments_for(mode, baselines)}
+
+
+def delay_for(mode: str, baselines: Baselines) -> int:
+    """PoseidonDDP's ``delay`` of ``mode``: the streaming modes' ``--streaming-delay``, else the mode's own."""
+    return baselines.streaming_delay if mode in STREAMING_MODES else DELAY_MODES.get(mode, 0)
 
 
 def fragments_for(mode: str, baselines: Baselines) -> int:

@@ -69,7 +69,7 @@ from poseidon_torch.bench.accuracy.tasks import TASKS, Task
 from poseidon_torch.bench.baselines import LOCALSGD, ONE_HOST, Baselines, LocalSGDConsensus, \
     add_baseline_arguments, baselines_from
 from poseidon_torch.bench.launch import exit_worker, worker_main
-from poseidon_torch.bench.worker import DELAY_MODES, MODES, PERIODIC_MODES, POSEIDON_MODES, STALE_MODES, \
+from poseidon_torch.bench.worker import DELAY_MODES, MODES, PERIODIC_MODES, POSEIDON_MODES, STALE_MODES, delay_for, \
     fragments_for, make_optimizer, read_tx_bytes, wrapper_for, written_bytes
 
 DATA_SEED = 97
@@ -233,7 +233,7 @@ def consensus_for(mode: str, baselines: Baselines) -> LocalSGDConsensus | None:
         return LocalSGDConsensus(baselines)
     if mode not in PERIODIC_MODES:
         return None
-    return PeriodicConsensus(baselines, DELAY_MODES.get(mode, 0), fragments_for(mode, baselines))
+    return PeriodicConsensus(baselines, delay_for(mode, baselines), fragments_for(mode, baselines))
 
 
 def meeting_rule(mode: str, consensus: LocalSGDConsensus | None) -> Callable[[int], int]:
