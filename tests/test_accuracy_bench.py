@@ -260,7 +260,7 @@ def test_the_streaming_modes_take_their_fragments_and_the_others_none() -> None:
     one per step of the period), and the results record it; the compressed streaming modes are local SGD
     on pseudo-gradients (an outer SGD of lr 1) through their lossy path, with ``delay=1``."""
     from poseidon_torch.bench.baselines import Baselines
-    from poseidon_torch.bench.worker import DELAY_MODES, compression_for, delay_for, periodic_for
+    from poseidon_torch.bench.worker import compression_for, delay_for, periodic_for
 
     outer = (object, {})
     sixteen = Baselines(localsgd_period=16, streaming_fragments=8)
@@ -269,7 +269,7 @@ def test_the_streaming_modes_take_their_fragments_and_the_others_none() -> None:
     for mode, option in (("poseidon-streaming-int8", "int8"), ("poseidon-streaming-bf16", "bf16")):  # pseudo-gradients
         assert periodic_for(mode, sixteen, outer) == {"sync_every": 16, "outer": (torch.optim.SGD, {"lr": 1.0}),
                                                       "fragments": 8}
-        assert compression_for(mode, sixteen) == {option: None} and DELAY_MODES[mode] == 1
+        assert compression_for(mode, sixteen) == {option: None} and delay_for(mode, sixteen) == 1
     assert periodic_for("poseidon-diloco", sixteen, outer) == {"sync_every": 16, "outer": outer, "fragments": 1}
     assert periodic_for("poseidon-hybrid", sixteen, outer) == {}
     assert sixteen.describe(["poseidon-streaming", "torch-ddp"]) == {"poseidon-streaming": {"sync_every": 16,

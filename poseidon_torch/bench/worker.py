@@ -89,10 +89,10 @@ SERVER_COMPRESSION_MODES = {"poseidon-server-powersgd": "powersgd", "poseidon-se
                             "poseidon-server-int8": "int8"}
 SERVER_MODES = ("poseidon-server", "poseidon-server-lazy", "poseidon-server-lazy-priority", *STALE_MODES,
                 *SERVER_COMPRESSION_MODES)
-#: Pipe-SGD: the default mode (hybrid) with ``delay=k``
+#: Pipe-SGD: the default mode (hybrid) with ``delay=k``; and local SGD with ``delay=3`` (the streaming modes'
+#: delay is ``--streaming-delay``: :func:`delay_for`)
 DELAY_MODES = {"poseidon-delay1": 1, "poseidon-delay2": 2, "poseidon-ps-delay1": 1, "poseidon-powersgd-delay1": 1,
-               "poseidon-localsgd-delay3": 3, "poseidon-streaming": 1, "poseidon-streaming-int8": 1,
-               "poseidon-streaming-bf16": 1}
+               "poseidon-localsgd-delay3": 3}
 #: the lossy path each compressed mode names (``compression=``)
 COMPRESSION_MODES = {"poseidon-powersgd": "powersgd", "poseidon-powersgd-delay1": "powersgd", "poseidon-bf16": "bf16",
                      "poseidon-int8": "int8", "poseidon-streaming-int8": "int8",
