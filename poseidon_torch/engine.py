@@ -376,7 +376,9 @@ class Engine:
         p.contexts = [self._context(b, p) for b in self.buckets]
         committed = [b.fc is not None and b.fc.witness is not None for b in self.buckets]
         # the core may run a job itself where it is the native path's own (not a joined rank's shadow job)
-        native = [self._job(ctx.path).native and not shadow for ctx in p.contexts]
+        # and stages nothing another path owes the bucket (that goes through _stage)
+        native = [self._job(ctx.path).native and not shadow and not self.paths.owed(b, ctx.path)
+                  for b, ctx in zip(self.buckets, p.contexts)]
         self.mode.pass_opened()
         self.core.begin_pass(committed, native, self._traced(p) is not None)
         self._pass = self._jobs_pass = p
@@ -566,6 +568,8 @@ class Engine:
                 path.keep_local(bucket)
             else:
                 path.write(bucket, grads, facts.late[bucket.index])
+            landed = not (p.shadow or facts.aborted or facts.late[bucket.index])
+            self.paths.carried(bucket, ctx.path, landed)
 
     def _close_pass(self, p: Pass) -> None:
         with self._lock:
@@ -734,6 +738,8 @@ class Engine:
         bucket, ctx = self.buckets[index], self._context_of(index)
         with self._device_stream(bucket.ready_event, self.plan.channel_of(index)):  # CUDA: copies on a side stream
             self._job(ctx.path).stage(bucket, ctx)
+            if not (ctx.aborted or ctx.shadow):
+                self.paths.carry_into(bucket, ctx.path)
 
     def _first_slot(self, index: int, channel: int) -> _Slot:
         """The phases of bucket ``index``'s job this pass (up to the update when the plan splits it)."""

@@ -71,19 +71,25 @@ def gradients(layers: Layers, rank: int, step: int, dtype: torch.dtype, low_rank
 
 
 def given_run(rank: int, world_size: int, layers: Layers, path: str, steps: int, dtype: torch.dtype,
-              low_rank: int = 0, settings: dict | None = None, delay: int = 0, scale: float = 1.0) -> dict:
+              low_rank: int = 0, settings: dict | None = None, delay: int = 0, scale: float = 1.0,
+              switch: tuple[int, str] | None = None) -> dict:
     """``steps`` backwards of :class:`Given` (its gradients times ``scale``) with ``path`` forced on every
     layer (with ``settings``: also named by ``compression={option: settings}``, which probes the rates the
     plan costs it with); per step the ``.grad`` after backward, each bucket's outcome and the bytes by
-    bucket and path; the consistency state at the end; the plan's predictions per bucket and path."""
+    bucket and path; the consistency state at the end; the plan's predictions per bucket and path.
+    ``switch`` (step, other path): before that step every layer's override becomes the other path, as when
+    the coordinator's plan moves them (a step's plan is made when the step before it ends, so the step
+    after it is the first on the other path); the consistency state is then kept after every step."""
     model = Given(layers, dtype).to(placement.DEVICE)
     everything = {layer: path for layer in (f"layers.{i}" for i in range(len(layers)))}
     options = {}
     if settings is not None:
         options["compression"] = {path_class(path).option: settings}
     wrapped = PoseidonDDP(model, fusion_bytes=0, overrides=everything, timeout=60, delay=delay, **options)
-    out: dict = {"grads": [], "outcomes": [], "bytes": [], "by_path": []}
+    out: dict = {"grads": [], "outcomes": [], "bytes": [], "by_path": [], "states": []}
     for step in range(steps):
+        if switch is not None and step == switch[0]:  # as when the coordinator's plan moves every layer
+            wrapped._engine.coordinator.overrides = dict.fromkeys(everything, switch[1])
         model.zero_grad(set_to_none=True)
         grads = [g.to(placement.DEVICE) * scale for g in gradients(layers, rank, step, dtype, low_rank)]
         wrapped(grads).backward()
@@ -93,6 +99,8 @@ def given_run(rank: int, world_size: int, layers: Layers, path: str, steps: int,
         out["outcomes"].append(dict(stats.outcome_by_bucket))
         out["bytes"].append(dict(stats.bytes_by_bucket))
         out["by_path"].append(dict(stats.bytes_by_path))
+        if switch is not None:
+            out["states"].append(own_state(wrapped))
     out["state"] = own_state(wrapped)
     plan = wrapped.plan
     out["predicted"] = {row.name: row.predictions for row in plan.rows}

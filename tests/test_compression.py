@@ -19,7 +19,7 @@ from poseidon_torch.bucket import Bucket, Layer, build_buckets, find_layers, fla
 from poseidon_torch.coordinator import Coordinator
 from poseidon_torch.fc import FCLayer, fc_spec
 from poseidon_torch.link import LinkModel
-from poseidon_torch.paths import BucketCost, Paths, PathEnv, compression_option, path_class
+from poseidon_torch.paths import BucketCost, Paths, PathEnv, compression_option, default_name, path_class
 from poseidon_torch.paths.powersgd import initial_q
 from poseidon_torch.simulate import Job, LayerProfile, Profile, bsp
 
@@ -171,6 +171,56 @@ def test_error_feedback_loses_nothing(cluster, path):
         assert_ran(results, path, STEPS)
         assert all(result["state"]["paths"][path]["residual"] for result in results)
         assert_nothing_lost(results, LAYERS, path, STEPS, dtype, rtol=tolerance, atol=tolerance)
+
+
+def path_steps(result: dict, path: str) -> list[int]:
+    """The steps whose every bucket synced on ``path``."""
+    return [step for step, outcomes in enumerate(result["outcomes"]) if set(outcomes.values()) == {path}]
+
+
+@pytest.mark.parametrize("path", ["PowerSGD", "INT8"])
+def test_a_layer_leaving_a_lossy_path_carries_its_residual_into_the_exact_sync(cluster, path):
+    """Steps 1-3 on the lossy path, then every layer on the default (exact) path: the first exact step
+    applies the average of gradient + residual (each rank's), to fp64 rounding, and nothing is left of
+    the residuals, so the applied averages sum to the true ones."""
+    P, steps, dtype = cluster.world_size, 7, torch.float64
+    results = cluster.run(cw.given_run, LAYERS, path, steps, dtype, 0, settings_of(path), 0, 1.0, (3, default_name()))
+    assert all(path_steps(r, path) == [1, 2, 3] for r in results), [r["outcomes"] for r in results]
+    assert all(path_steps(r, default_name()) == [0, 4, 5, 6] for r in results)
+    assert_same_on_every_rank(results)
+    owed = [r["states"][3]["paths"][path]["residual"] for r in results]  # after the last lossy step
+    assert any(t.abs().max() > 0 for residuals in owed for t in residuals.values())  # something was owed
+    for name_index, name in enumerate(cw.names(LAYERS)):
+        expected = mean([cw.gradients(LAYERS, r, 4, dtype)[name_index] + owed[r].get(name, 0) for r in range(P)])
+        torch.testing.assert_close(results[0]["grads"][4][name], expected, rtol=1e-12, atol=1e-12)
+    for r in results:
+        assert all(not s.get("paths", {}).get(path, {}).get("residual") for s in r["states"][4:]), r["states"][4]
+    assert_nothing_lost(results, LAYERS, path, steps, dtype, rtol=1e-12, atol=1e-12)
+
+
+def test_a_residual_carried_under_pipe_sgd_loses_nothing(cluster):
+    """delay=1: the pass after the last one on INT8 carries the residuals into the exact sync; the
+    averages of passes 0-6 (in .grad one step later) sum to the true averages of steps 0-6."""
+    P, dtype = cluster.world_size, torch.float64
+    results = cluster.run(cw.given_run, LAYERS, "INT8", 8, dtype, 0, settings_of("INT8"), 1, 1.0, (3, default_name()))
+    assert all(path_steps(r, "INT8") == [2, 3] and path_steps(r, default_name())[-4:] == [4, 5, 6, 7] for r in results)
+    assert all("INT8" not in r["state"].get("paths", {}) for r in results)
+    for name_index, name in enumerate(cw.names(LAYERS)):
+        true = sum(mean([cw.gradients(LAYERS, r, t, dtype)[name_index] for r in range(P)]) for t in range(7))
+        for w, result in enumerate(results):
+            applied = sum(result["grads"][t][name] for t in range(1, 8))
+            torch.testing.assert_close(applied, true, rtol=1e-12, atol=1e-12, msg=lambda m: f"rank {w} {name}: {m}")
+
+
+def test_a_layer_moving_between_lossy_paths_loses_nothing(cluster):
+    """INT8 on steps 1-3, then BF16: BF16 compresses gradient + its own residual + INT8's, whose residual
+    is then gone; the applied averages and BF16's residuals sum to the true averages."""
+    steps, dtype = 7, torch.float64
+    results = cluster.run(cw.given_run, LAYERS, "INT8", steps, dtype, 0, None, 0, 1.0, (3, "BF16"))
+    assert all(path_steps(r, "INT8") == [1, 2, 3] and path_steps(r, "BF16") == [4, 5, 6] for r in results)
+    assert_same_on_every_rank(results)
+    assert all("INT8" not in r["state"]["paths"] and r["state"]["paths"]["BF16"]["residual"] for r in results)
+    assert_nothing_lost(results, LAYERS, "BF16", steps, dtype, rtol=1e-12, atol=1e-12)
 
 
 # ---- reduced precision ------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..bucket import Bucket
 from .allreduce import AllReducePath
 from .base import (AtOwners, BucketCost, FCCost, GradWriter, Job, OnEveryRank, Path, PathEnv, Prediction,
                    SyncContext, WrappedPath, drive)
@@ -103,6 +104,26 @@ class Paths(dict[str, Path]):
     @property
     def default(self) -> Path:
         return self[REGISTERED[0].name]
+
+    # ---- what the other paths owe a bucket (a layer that left a lossy path: ``Path.owes``) ----------
+
+    def owed(self, bucket: Bucket, path: str) -> bool:
+        """Whether a path other than ``path`` (the bucket's this pass) owes ``bucket`` something."""
+        return any(other.owes(bucket) for name, other in self.items() if name != path)
+
+    def carry_into(self, bucket: Bucket, path: str) -> None:
+        """``bucket`` was staged for ``path``: every other path adds what it owes the bucket to the flat
+        buffer, unless ``path`` syncs factors instead of that buffer (what is owed then waits)."""
+        if not self[path].factors:
+            for name, other in self.items():
+                if name != path:
+                    other.carry_into(bucket)
+
+    def carried(self, bucket: Bucket, path: str, landed: bool) -> None:
+        """The pass of ``bucket`` on ``path`` ended (``landed``: :meth:`Path.carried`)."""
+        for name, other in self.items():
+            if name != path:
+                other.carried(bucket, landed)
 
 
 __all__ = ["REGISTERED", "Paths", "Path", "LossyPath", "Job", "WrappedPath", "PathEnv", "SyncContext", "Prediction",

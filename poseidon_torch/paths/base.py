@@ -224,6 +224,21 @@ class Path:
         (``aborted``; in a mode that writes no gradient, or on a joined rank): what the sync left is
         dropped."""
 
+    # ---- what this path owes a bucket that syncs on another one ----------------------------------
+
+    def owes(self, bucket: Bucket) -> bool:
+        """Whether this path holds something of ``bucket``'s parameters that the bucket's sync on another
+        path must carry (a lossy path's residuals of a layer that left it)."""
+        return False
+
+    def carry_into(self, bucket: Bucket) -> None:
+        """``bucket`` was just staged for another path, one that averages its flat buffer: add what this
+        path owes the bucket's parameters there (:meth:`carried` then says whether it landed)."""
+
+    def carried(self, bucket: Bucket, landed: bool) -> None:
+        """The pass that carried what this path owed ``bucket`` (:meth:`carry_into`) ended; ``landed``: its
+        average was applied (written, or stepped from by the owners), not late, on no aborted pass."""
+
     def state_dict(self) -> dict:
         """What a checkpoint must carry of this path (``PoseidonDDP.consistency_state_dict``)."""
         return {}
@@ -284,6 +299,15 @@ class WrappedPath(Path):
 
     def forget(self, bucket: Bucket, aborted: bool) -> None:
         self.inner.forget(bucket, aborted)
+
+    def owes(self, bucket: Bucket) -> bool:
+        return self.inner.owes(bucket)
+
+    def carry_into(self, bucket: Bucket) -> None:
+        self.inner.carry_into(bucket)
+
+    def carried(self, bucket: Bucket, landed: bool) -> None:
+        self.inner.carried(bucket, landed)
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

@@ -18,7 +18,11 @@ Invariants:
   pass that writes nothing, a pass whose average is not finite (an overflow: GradScaler skips the step)
   and a parameter no rank used (its average is not written) keep the old one;
 - residuals are kept per parameter (named in the checkpoint: :meth:`LossyPath.state_dict`), so they
-  survive bucket rebuilds and a layer leaving the path and coming back;
+  survive bucket rebuilds and a layer moving between lossy paths;
+- a layer that left the path (the plan changed) still owes its residual: its next sync on another path
+  that averages the staged flat buffer (any but a factor path, SFB; another lossy path compresses it
+  with its own residual) carries it there (:meth:`LossyPath.carry_into`), and once that average is
+  applied the residual is dropped, so the sum above holds with nothing left here;
 - a joined rank's shadow pass sends zeros and adds no residual;
 - the coordinator puts a layer on the path by cost only from the ``start_iter``-th synced pass on (torch's
   ``start_powerSGD_iter``: the first passes are exact); an override forces it from the second pass on.
@@ -71,6 +75,8 @@ class LossyPath(Path):
         self.start_iter: int = self.settings["start_iter"]
         self._residuals: dict[int, Tensor] = {}  #: id(parameter) -> its residual
         self._pending: dict[int, dict[int, Tensor]] = {}  #: id(bucket) -> its last sync's new residuals
+        #: id(bucket) -> the parameters whose residuals its sync on another path carries (:meth:`carry_into`)
+        self._carried: dict[int, list[int]] = {}
         self._params: dict[str, nn.Parameter] = {}  #: the buckets' parameters by name
 
     @classmethod
@@ -105,7 +111,7 @@ class LossyPath(Path):
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
         self._params = {name: p for b in buckets for name, p in zip(b.param_names, b.params)}
-        self._pending = {}
+        self._pending, self._carried = {}, {}
 
     def with_residuals(self, bucket: Bucket, ctx: SyncContext) -> Tensor:
         """M of the bucket: a new flat tensor in the compute dtype, its staged gradients plus their
@@ -143,14 +149,35 @@ class LossyPath(Path):
         the bucket's flat buffer is not finite (the average, or with a ``ServerOptimizer`` the owners' new
         values: the same on every rank)."""
         pending = self._pending.pop(id(bucket), {})
-        if not late and all_finite(bucket.flat[:bucket.grad_numel]):
-            for used, p in zip(bucket.used_anywhere.tolist(), bucket.params):
-                if used and id(p) in pending:
-                    self._residuals[id(p)] = pending[id(p)]
+        for key in applied_params(bucket, not late):
+            if key in pending:
+                self._residuals[key] = pending[key]
 
     def keep_local(self, bucket: Bucket) -> None:
         self._pending.pop(id(bucket), None)
         super().keep_local(bucket)
+
+    def owes(self, bucket: Bucket) -> bool:
+        return bool(self._residuals) and any(id(p) in self._residuals for p in bucket.params)
+
+    def carry_into(self, bucket: Bucket) -> None:
+        """The residuals of ``bucket``'s parameters (a layer that left this path) into its staged flat
+        buffer, which another path averages: once that average is applied they are gone from here."""
+        if not self.owes(bucket):
+            return
+        for p, piece in bucket.views(bucket.flat[:bucket.grad_numel]):
+            residual = self._residuals.get(id(p))
+            if residual is not None:
+                piece += residual.to(piece.device, piece.dtype)
+        self._carried[id(bucket)] = [id(p) for p in bucket.params if id(p) in self._residuals]
+
+    def carried(self, bucket: Bucket, landed: bool) -> None:
+        """Carried residuals whose average was applied are dropped (their mean is in it); the others stay
+        (an aborted or late pass, a parameter no rank used, an average that is not finite)."""
+        owed = self._carried.pop(id(bucket), None)
+        if owed:
+            for key in set(owed) & applied_params(bucket, landed):
+                del self._residuals[key]
 
     def forget(self, bucket: Bucket, aborted: bool) -> None:
         self._pending.pop(id(bucket), None)
@@ -193,6 +220,16 @@ class LossyPath(Path):
             device = self.env.wire_device
             checked[name] = value.detach().to(device, self.compute_dtype(param.dtype), copy=True)
         return checked
+
+
+def applied_params(bucket: Bucket, applied: bool) -> set[int]:
+    """The ids of ``bucket``'s parameters whose average its pass applied: those some rank used, if
+    ``applied`` (not late, on no aborted pass) and the flat buffer is finite (the average, or with a
+    ``ServerOptimizer`` the owners' new values: the same on every rank; GradScaler skips a step that is
+    not); else none."""
+    if not applied or not all_finite(bucket.flat[:bucket.grad_numel]):
+        return set()
+    return {id(p) for used, p in zip(bucket.used_anywhere.tolist(), bucket.params) if used}
 
 
 def add_owner_rounding(residuals: Tensor, owned: Sequence[tuple[Tensor, list[Tensor]]], buffer: Tensor,
