@@ -364,6 +364,15 @@ class PoseidonDDP(nn.Module, Joinable):
             raise RuntimeError(f"{what} needs a started PoseidonDDP (not closed, not an unbound copy)")
         return self._engine or self._bind()
 
+    def _collective_engine(self, what: str) -> Engine:
+        """The started engine for a collective call (``what``): a pass whose backward raised here is still
+        open, and the other ranks' backwards wait in it; it is finished first (keeping nothing, as the next
+        forward would finish it), so their collectives and this call's meet."""
+        engine = self._started_engine(what)
+        if engine.backward_raised():
+            engine.finish_aborted_pass()
+        return engine
+
     def _announce(self, device: torch.device) -> None:
         """Say once per process, on rank 0, which core runs the hot path."""
         global _announced
@@ -605,7 +614,7 @@ class PoseidonDDP(nn.Module, Joinable):
         every rank's (``{"world_size": P, "ranks": [rank 0's, ...]}``): the copy one rank saves resumes every
         rank. Collective (call it on every rank, as ``ZeroRedundancyOptimizer.consolidate_state_dict``): it
         waits for the last sync, and training goes on, bit for bit, as it would have without the call."""
-        engine = self._started_engine("consistency_state_dict()")
+        engine = self._collective_engine("consistency_state_dict()")
         engine.flush()
         names = {id(p): name for name, p in self.module.named_parameters()}
         state = engine.mode.state_dict(names)
@@ -617,7 +626,7 @@ class PoseidonDDP(nn.Module, Joinable):
 
     def load_consistency_state_dict(self, state: dict) -> None:
         """Restore what :meth:`consistency_state_dict` saved (before the first step of the resumed run)."""
-        engine = self._started_engine("load_consistency_state_dict()")
+        engine = self._collective_engine("load_consistency_state_dict()")
         engine.settle()
         mine = self._own_paths_state(state.get("paths"))
         for name in mine:

@@ -155,11 +155,12 @@ def given_server_run(rank: int, world_size: int, layers: Layers, path: str, step
     return out
 
 
-def skipped_batch(rank: int, world_size: int, server: bool, raises: bool) -> dict:
+def skipped_batch(rank: int, world_size: int, server: bool, raises: bool, observe: bool = False) -> dict:
     """An MLP with every layer on PowerSGD from step 1, SGD (a ServerOptimizer if ``server``) over batches
     0-4; batch 3 is skipped: with ``raises`` its backward raises on rank 0 (a hook; caught on every rank,
-    the others' error being the SyncError that names rank 0), else no rank runs it. The parameters and
-    this rank's PowerSGD state (residuals, Q) at the end."""
+    the others' error being the SyncError that names rank 0), else no rank runs it; ``observe``: every
+    rank takes the consistency state where it caught the error (a checkpoint on failure). The parameters
+    and this rank's PowerSGD state (residuals, Q) at the end."""
     from poseidon_torch import ServerOptimizer, SyncError
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
@@ -179,6 +180,8 @@ def skipped_batch(rank: int, world_size: int, server: bool, raises: bool) -> dic
             torch.nn.functional.mse_loss(wrapped(x), y).backward()
         except (ValueError, SyncError):
             opt.zero_grad()
+            if observe:
+                own_state(wrapped)
             continue
         opt.step()
         opt.zero_grad()

@@ -383,6 +383,18 @@ def test_a_skipped_powersgd_step_leaves_the_warm_start_as_it_was(cluster, server
                 assert torch.equal(a["state"][key][name], value), (rank, key, name)
 
 
+@pytest.mark.parametrize("server", [False, True], ids=["torch-SGD", "ServerOptimizer"])
+def test_a_checkpoint_right_after_a_raised_backward_neither_hangs_nor_changes_the_run(cluster, server):
+    """Every rank takes the consistency state where it caught batch 3's error (rank 0's backward raised,
+    its pass still open): the call finishes that pass first, so the ranks' collectives meet, and the run
+    ends bit for bit as without the call."""
+    observed = cluster.run(cw.skipped_batch, server, True, True)
+    raised = cluster.run(cw.skipped_batch, server, True)
+    for rank, (a, b) in enumerate(zip(observed, raised)):
+        for name, value in b["params"].items():
+            assert torch.equal(a["params"][name], value), (rank, name)
+
+
 def test_powersgd_pushes_equal_the_single_process_algorithm(cluster):
     """PowerSGD with a ServerOptimizer: its all-reduces of P and Q stand for the push, the owners step from
     the projected average (every rank holds it) and the new values are pulled exactly: the parameters
