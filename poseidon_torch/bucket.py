@@ -208,13 +208,19 @@ class Bucket:
         """After an average (sync thread): which parameters some rank used; False (local gradients kept
         as unsynced) when some rank aborted. Nothing is written into ``.grad`` here; a staged CUDA
         bucket's averages are uploaded to the device on the calling thread's stream."""
-        flags = self.flat[self.grad_numel:] > 0
-        self.used_anywhere.copy_(flags[:-1])
+        flags = self.read_used()
         if flags[-1]:
             self.dirty |= self.seen
             return False
         self.upload()
         return True
+
+    def read_used(self) -> torch.Tensor:
+        """After an average: which parameters some rank used, into ``used_anywhere``; every flag, as bools
+        (the last one: some rank aborted)."""
+        flags = self.flat[self.grad_numel:] > 0
+        self.used_anywhere.copy_(flags[:-1])
+        return flags
 
     def upload(self) -> None:
         """A staged CUDA bucket (no-op otherwise): copy the host buffer's gradients part (averages, or

@@ -560,9 +560,9 @@ class Engine:
         early part averaged without the late one): :meth:`_write` syncs all of it again."""
         for bucket, ctx in zip(self.buckets, p.contexts):
             path = self.paths[ctx.path]
-            if p.shadow or (grads is None and facts.aborted):
+            if (p.shadow or grads is None) and facts.aborted:
                 path.forget(bucket, facts.aborted)
-            elif grads is None:  # the owners stepped from the averages (a mode that updates there)
+            elif p.shadow or grads is None:  # a joined rank, or the owners stepped from the averages: nothing to write
                 path.settle(bucket, facts.late[bucket.index])
             elif facts.aborted:
                 path.keep_local(bucket)

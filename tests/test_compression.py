@@ -212,6 +212,25 @@ def test_a_residual_carried_under_pipe_sgd_loses_nothing(cluster):
             torch.testing.assert_close(applied, true, rtol=1e-12, atol=1e-12, msg=lambda m: f"rank {w} {name}: {m}")
 
 
+@pytest.mark.parametrize("path", ["PowerSGD", "BF16", "INT8"])
+def test_error_feedback_loses_nothing_when_a_rank_has_joined(cluster, path):
+    """Uneven inputs under join(): the last rank stops after 2 of 6 steps and shadows the others' syncs,
+    sending its residual with zero gradients. The applied averages (each the sum over the ranks that
+    trained the step, over the initial world size) and the mean over all ranks of the residuals sum to
+    the true averages."""
+    P, steps, dtype = cluster.world_size, 6, torch.float64
+    results = cluster.run(cw.joined_run, LAYERS, path, steps, dtype, 2, settings_of(path))
+    assert all(set(outcomes.values()) == {path} for outcomes in results[0]["outcomes"][1:])
+    for name_index, name in enumerate(cw.names(LAYERS)):
+        true = sum(sum(cw.gradients(LAYERS, r, t, dtype)[name_index] for r in range(P) if r < P - 1 or t < 2) / P
+                   for t in range(steps))
+        kept = [r["state"].get("paths", {}).get(path, {}).get("residual", {}).get(name) for r in results]
+        left = mean([torch.zeros_like(true) if k is None else k.to(dtype) for k in kept])
+        for w, result in enumerate(results[:-1]):
+            applied = sum(step[name] for step in result["grads"])
+            torch.testing.assert_close(applied + left, true, rtol=1e-12, atol=1e-12, msg=lambda m: f"rank {w} {name}: {m}")
+
+
 def test_a_layer_moving_between_lossy_paths_loses_nothing(cluster):
     """INT8 on steps 1-3, then BF16: BF16 compresses gradient + its own residual + INT8's, whose residual
     is then gone; the applied averages and BF16's residuals sum to the true averages."""

@@ -49,7 +49,7 @@ class SyncContext:
     path: str
     task: int           #: the backward pass (graph task) whose factors to send
     aborted: bool       #: this rank's backward was aborted: send, but keep nothing
-    shadow: bool        #: this rank has joined (uneven inputs): send zeros, keep nothing
+    shadow: bool        #: this rank has joined (uneven inputs): send zero gradients, write nothing
     k_pad: int = 0      #: rows per rank a factor path's all-gather makes room for
 
 
@@ -210,9 +210,10 @@ class Path:
             grads.scatter(bucket)
 
     def settle(self, bucket: Bucket, late: bool) -> None:
-        """End of a pass no rank aborted whose average the owners stepped from (a ``ServerOptimizer``'s
-        mode): nothing is written, so by default what the sync left is dropped, as by :meth:`forget`; a
-        path whose state outlives the pass keeps it here (``late``: as in :meth:`write`)."""
+        """End of a pass no rank aborted that writes nothing here: the owners stepped from the average (a
+        ``ServerOptimizer``'s mode), or this rank has joined (its shadow pass). By default what the sync
+        left is dropped, as by :meth:`forget`; a path whose state outlives the pass keeps it here
+        (``late``: as in :meth:`write`)."""
         self.forget(bucket, aborted=False)
 
     def keep_local(self, bucket: Bucket) -> None:
@@ -220,9 +221,8 @@ class Path:
         bucket.dirty |= bucket.seen
 
     def forget(self, bucket: Bucket, aborted: bool) -> None:
-        """End of a pass that writes nothing: a joined rank's shadow pass, or a pass some rank aborted
-        (``aborted``; in a mode that writes no gradient, or on a joined rank): what the sync left is
-        dropped."""
+        """End of a pass some rank aborted (``aborted``) that writes nothing here (a mode that writes no
+        gradient, or a joined rank): what the sync left is dropped."""
 
     # ---- what this path owes a bucket that syncs on another one ----------------------------------
 

@@ -23,7 +23,10 @@ Invariants:
   that averages the staged flat buffer (any but a factor path, SFB; another lossy path compresses it
   with its own residual) carries it there (:meth:`LossyPath.carry_into`), and once that average is
   applied the residual is dropped, so the sum above holds with nothing left here;
-- a joined rank's shadow pass sends zeros and adds no residual;
+- a joined rank's shadow pass sends its residuals with zero gradients and keeps its new residuals, as
+  every rank does (with ``join()``'s averages over the initial world size, the sum above then holds
+  over all the ranks: a joined rank that kept its old residual would leave a share of each average
+  unaccounted, which the others' error feedback would send again);
 - the coordinator puts a layer on the path by cost only from the ``start_iter``-th synced pass on (torch's
   ``start_powerSGD_iter``: the first passes are exact); an override forces it from the second pass on.
 """
@@ -114,14 +117,13 @@ class LossyPath(Path):
         self._pending, self._carried = {}, {}
 
     def with_residuals(self, bucket: Bucket, ctx: SyncContext) -> Tensor:
-        """M of the bucket: a new flat tensor in the compute dtype, its staged gradients plus their
-        residuals (none on a joined rank), laid out as the flat buffer's gradients."""
+        """M of the bucket: a new flat tensor in the compute dtype, its staged gradients (zeros on a joined
+        rank) plus their residuals, laid out as the flat buffer's gradients."""
         m = bucket.flat[:bucket.grad_numel].to(self.compute_dtype(bucket.dtype), copy=True)
-        if not ctx.shadow:
-            for p, piece in bucket.views(m):
-                residual = self._residuals.get(id(p))
-                if residual is not None:
-                    piece += residual
+        for p, piece in bucket.views(m):
+            residual = self._residuals.get(id(p))
+            if residual is not None:
+                piece += residual
         return m
 
     def propose(self, bucket: Bucket, param: nn.Parameter, residual: Tensor) -> None:
@@ -130,11 +132,20 @@ class LossyPath(Path):
 
     def propose_all(self, bucket: Bucket, residuals: Tensor, ctx: SyncContext) -> bool:
         """Every parameter's new residual, ``residuals`` laid out as the bucket's flat gradients
-        (:meth:`propose`); what the sync returns: the flags the average carries (nothing on a joined
-        rank's shadow pass)."""
+        (:meth:`propose`); what the sync returns (:meth:`synced`)."""
         for p, residual in bucket.views(residuals):
             self.propose(bucket, p, residual)
-        return False if ctx.shadow else bucket.read_flags()
+        return self.synced(bucket, ctx)
+
+    @staticmethod
+    def synced(bucket: Bucket, ctx: SyncContext) -> bool:
+        """What a sync returns once its average is in the flat buffer: the flags the average carries; on
+        a joined rank's shadow pass False (it writes nothing), having read which parameters some rank
+        used (the shadow rank keeps its new residuals of those, as the others do)."""
+        if ctx.shadow:
+            bucket.read_used()
+            return False
+        return bucket.read_flags()
 
     def write(self, bucket: Bucket, grads: GradWriter, late: bool) -> None:
         """The average into ``grads``; the sync's residuals replace the old ones of the parameters some

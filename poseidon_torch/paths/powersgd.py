@@ -214,7 +214,7 @@ class PowerSGDPath(LossyPath):
         if plan.flags[-1] > 0:  # some rank aborted: the same on every rank, nothing more is sent
             return bucket.read_flags()
         if not plan.matrices:  # nothing compressed (an override on a layer of vectors): all sent already
-            return False if ctx.shadow else bucket.read_flags()
+            return self.synced(bucket, ctx)
         yield "compress"
         warm = plan.second.clone()  # put back after an overflow: a non-finite Q would stay so for good
         bases = [torch.linalg.qr(m.p).Q for m in plan.matrices]
@@ -238,9 +238,7 @@ class PowerSGDPath(LossyPath):
                 average = basis @ m.q.T
                 grad.copy_(average)
             self.propose(bucket, bucket.params[m.position], matrix.sub_(average).view_as(grads[m.position]))
-        if ctx.shadow:
-            return False
-        return bucket.read_flags()
+        return self.synced(bucket, ctx)
 
     # ---- the end of the pass ----------------------------------------------------------------------
 
@@ -253,8 +251,8 @@ class PowerSGDPath(LossyPath):
         super().keep_local(bucket)
 
     def forget(self, bucket: Bucket, aborted: bool) -> None:
-        """A joined rank's shadow pass keeps the new Q, as the ranks that write theirs; an aborted pass
-        puts it back, on every rank alike."""
+        """An aborted pass puts back the Q its sync computed, on every rank alike (a joined rank's shadow
+        pass that was not aborted settles: it keeps the new Q, as the ranks that write theirs)."""
         if aborted:
             self._take_back_q(bucket)
         self._undo.pop(id(bucket), None)
