@@ -544,7 +544,7 @@ class Engine:
         # a deferred pass closes during the next round's forward: its iteration began with its own round
         self.recorder.end_iteration(traced, p.round.began_ns if p.round is not None else None,
                                     **self.mode.trace_args())
-        if facts.aborted and not p.aborted:
+        if facts.aborted and not (p.aborted or p.shadow):  # a joined rank has no step to skip
             peers = ", ".join(map(str, facts.aborted_ranks))
             raise SyncError(f"the backward of rank(s) {peers} was aborted (an exception on that rank) in this step: "
                             "no gradient was averaged, local gradients are kept unsynced; skip the step on every rank")

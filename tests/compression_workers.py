@@ -110,20 +110,30 @@ def given_run(rank: int, world_size: int, layers: Layers, path: str, steps: int,
 
 
 def joined_run(rank: int, world_size: int, layers: Layers, path: str, steps: int, dtype: torch.dtype,
-               last_rank_steps: int, settings: dict) -> dict:
+               last_rank_steps: int, settings: dict, raise_at: int | None = None) -> dict:
     """:class:`Given` with ``path`` forced on every layer (and named by ``compression={option: settings}``)
     under ``join()``: the last rank runs out of data after ``last_rank_steps`` of the others' ``steps`` and
-    shadows their syncs from then on. Per step of this rank the ``.grad`` after backward and the outcomes;
-    the consistency state at the end (this rank's)."""
+    shadows their syncs from then on; with ``raise_at``, rank 0's backward of that step raises (the others'
+    raise ``SyncError``), caught: the step is skipped. Per step this rank trained, the ``.grad`` after
+    backward and the outcomes; the steps it skipped; the consistency state at the end (this rank's)."""
+    from poseidon_torch import SyncError
+
     model = Given(layers, dtype).to(placement.DEVICE)
     everything = {layer: path for layer in (f"layers.{i}" for i in range(len(layers)))}
     wrapped = PoseidonDDP(model, fusion_bytes=0, overrides=everything, timeout=60,
                           compression={path_class(path).option: settings})
-    out: dict = {"grads": [], "outcomes": []}
+    bad = BadBatch()
+    next(model.parameters()).register_hook(bad)
+    out: dict = {"grads": [], "outcomes": [], "skipped": []}
     with wrapped.join():
         for step in range(last_rank_steps if rank == world_size - 1 else steps):
             model.zero_grad(set_to_none=True)
-            wrapped([g.to(placement.DEVICE) for g in gradients(layers, rank, step, dtype)]).backward()
+            bad.now = step == raise_at and rank == 0
+            try:
+                wrapped([g.to(placement.DEVICE) for g in gradients(layers, rank, step, dtype)]).backward()
+            except (ValueError, SyncError):
+                out["skipped"].append(step)
+                continue
             out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
             out["outcomes"].append(dict(wrapped.comm_stats.outcome_by_bucket))
     out["state"] = own_state(wrapped)

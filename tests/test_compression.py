@@ -212,18 +212,41 @@ def test_a_residual_carried_under_pipe_sgd_loses_nothing(cluster):
             torch.testing.assert_close(applied, true, rtol=1e-12, atol=1e-12, msg=lambda m: f"rank {w} {name}: {m}")
 
 
+@pytest.mark.parametrize("joins_after", [0, 2])
 @pytest.mark.parametrize("path", ["PowerSGD", "BF16", "INT8"])
-def test_error_feedback_loses_nothing_when_a_rank_has_joined(cluster, path):
-    """Uneven inputs under join(): the last rank stops after 2 of 6 steps and shadows the others' syncs,
-    sending its residual with zero gradients. The applied averages (each the sum over the ranks that
-    trained the step, over the initial world size) and the mean over all ranks of the residuals sum to
-    the true averages."""
-    P, steps, dtype = cluster.world_size, 6, torch.float64
-    results = cluster.run(cw.joined_run, LAYERS, path, steps, dtype, 2, settings_of(path))
+def test_error_feedback_loses_nothing_when_a_rank_has_joined(cluster, path, joins_after):
+    """Uneven inputs under join(): the last rank stops after 0 or 2 of 6 steps and shadows the others'
+    syncs, sending its residual with zero gradients. The applied averages (each the sum over the ranks
+    that trained the step, over the initial world size) and the mean over all ranks of the residuals sum
+    to the true averages."""
+    steps, dtype = 6, torch.float64
+    results = cluster.run(cw.joined_run, LAYERS, path, steps, dtype, joins_after, settings_of(path))
+    assert_nothing_lost_under_join(results, path, steps, joins_after, skipped=())
+
+
+def test_a_backward_that_raises_while_a_rank_has_joined_skips_the_step_everywhere_else(cluster):
+    """Rank 0's backward raises at step 4 while the last rank has joined (after 2 steps): the ranks that
+    train skip the step (ValueError, SyncError), the joined rank shadows it without an error (it has no
+    step to skip), training goes on to the end, and error feedback loses nothing."""
+    steps, dtype = 6, torch.float64
+    results = cluster.run(cw.joined_run, LAYERS, "BF16", steps, dtype, 2, settings_of("BF16"), 4)
+    assert all(r["skipped"] == [4] for r in results[:-1]) and results[-1]["skipped"] == []
+    assert all(len(r["grads"]) == steps - 1 for r in results[:-1])
+    assert_nothing_lost_under_join(results, "BF16", steps, 2, skipped=(4,))
+
+
+def assert_nothing_lost_under_join(results: list[dict], path: str, steps: int, joins_after: int,
+                                   skipped: tuple[int, ...]) -> None:
+    """The applied averages of every rank that trained to the end, plus the mean over all ranks of the
+    residuals, sum to the true averages of the steps not skipped (the last rank trained the first
+    ``joins_after``), to fp64 rounding; those ranks applied the same gradients."""
+    P, dtype = len(results), torch.float64
     assert all(set(outcomes.values()) == {path} for outcomes in results[0]["outcomes"][1:])
+    for r in results[1:-1]:
+        assert all(torch.equal(a[n], b[n]) for a, b in zip(r["grads"], results[0]["grads"]) for n in a)
     for name_index, name in enumerate(cw.names(LAYERS)):
-        true = sum(sum(cw.gradients(LAYERS, r, t, dtype)[name_index] for r in range(P) if r < P - 1 or t < 2) / P
-                   for t in range(steps))
+        true = sum(sum(cw.gradients(LAYERS, r, t, dtype)[name_index] for r in range(P) if r < P - 1 or t < joins_after) / P
+                   for t in range(steps) if t not in skipped)
         kept = [r["state"].get("paths", {}).get(path, {}).get("residual", {}).get(name) for r in results]
         left = mean([torch.zeros_like(true) if k is None else k.to(dtype) for k in kept])
         for w, result in enumerate(results[:-1]):

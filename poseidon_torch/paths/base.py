@@ -193,6 +193,16 @@ class Path:
         """The job: average ``bucket`` over the ranks; yields its phases, returns whether it synced."""
         raise NotImplementedError
 
+    @staticmethod
+    def synced(bucket: Bucket, ctx: SyncContext) -> bool:
+        """What a sync returns once the average is in ``bucket``'s flat buffer: the flags it carries
+        (:meth:`Bucket.read_flags`); on a joined rank's shadow pass False (it writes nothing), having read
+        which parameters some rank used, so that every rank agrees on it (learning reads it)."""
+        if ctx.shadow:
+            bucket.read_used()
+            return False
+        return bucket.read_flags()
+
     def reduce(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, Reduced | None]:
         """The job up to where the owners of the bucket's chunks can update it (None: nothing to update,
         the same on every rank). By default the whole sync: every rank then holds the average."""

@@ -137,16 +137,6 @@ class LossyPath(Path):
             self.propose(bucket, p, residual)
         return self.synced(bucket, ctx)
 
-    @staticmethod
-    def synced(bucket: Bucket, ctx: SyncContext) -> bool:
-        """What a sync returns once its average is in the flat buffer: the flags the average carries; on
-        a joined rank's shadow pass False (it writes nothing), having read which parameters some rank
-        used (the shadow rank keeps its new residuals of those, as the others do)."""
-        if ctx.shadow:
-            bucket.read_used()
-            return False
-        return bucket.read_flags()
-
     def write(self, bucket: Bucket, grads: GradWriter, late: bool) -> None:
         """The average into ``grads``; the sync's residuals replace the old ones of the parameters some
         rank used (late: the bucket is synced again exactly, the old residuals stay; a non-finite average,

@@ -199,9 +199,7 @@ class PSPath(Path):
         self.average(bucket, groups)
         bucket.bytes_sent = self.bytes_sent(bucket)
         bucket.outcome = self.name
-        if ctx.shadow:
-            return False
-        return bucket.read_flags()  # the engine scatters the averages when the backward ends
+        return self.synced(bucket, ctx)  # the engine scatters the averages when the backward ends
 
     def reduce(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, AtOwners]:
         """Push and aggregate: each owner holds its chunks' averages and every rank's flags (the pull
