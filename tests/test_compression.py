@@ -265,6 +265,26 @@ def test_a_layer_moving_between_lossy_paths_loses_nothing(cluster):
     assert_nothing_lost(results, LAYERS, "BF16", steps, dtype, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_powersgd_feeds_back_the_rounding_of_a_half_precision_model(cluster, dtype):
+    """A half-precision model on PowerSGD: the bucket holds the low-rank average rounded to the model's
+    dtype, and the residual is taken against that rounded average, so over the compressed matrices the
+    applied averages and the residuals sum to the true ones to fp32 rounding, not the half's."""
+    P, steps = cluster.world_size, STEPS
+    results = cluster.run(cw.given_run, LAYERS, "PowerSGD", steps, dtype, 0, settings_of("PowerSGD"))
+    assert_ran(results, "PowerSGD", steps)
+    matrices = [i for i, shape in enumerate(s for layer in LAYERS for s in layer) if compressed(shape, 2)]
+    assert len(matrices) == 2
+    for i in matrices:
+        name = cw.names(LAYERS)[i]
+        lossy = range(1, steps)  # step 0 is exact (the default path, rounded as DDP rounds)
+        true = sum(mean([cw.gradients(LAYERS, r, t, dtype)[i].double() for r in range(P)]) for t in lossy)
+        left = mean([r["state"]["paths"]["PowerSGD"]["residual"][name].double() for r in results])
+        for w, result in enumerate(results):
+            applied = sum(result["grads"][t][name].double() for t in lossy)
+            torch.testing.assert_close(applied + left, true, rtol=0, atol=1e-5, msg=lambda m: f"rank {w} {name}: {m}")
+
+
 # ---- reduced precision ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path, wire", [("BF16", torch.bfloat16), ("FP16", torch.float16)])

@@ -234,9 +234,9 @@ class PowerSGDPath(LossyPath):
             grad = grads[m.position].view(m.rows, m.cols)
             if grad.dtype == matrix.dtype:  # the product straight into the bucket: no 16 MB buffer per embedding
                 average = torch.matmul(basis, m.q.T, out=grad)
-            else:  # a half-precision bucket: the residual is taken against the fp32 average
-                average = basis @ m.q.T
-                grad.copy_(average)
+            else:  # a half-precision bucket holds the average rounded to its dtype: the residual is taken
+                grad.copy_(basis @ m.q.T)  # against that, so error feedback returns the rounding too
+                average = grad.to(matrix.dtype)
             self.propose(bucket, bucket.params[m.position], matrix.sub_(average).view_as(grads[m.position]))
         return self.synced(bucket, ctx)
 
