@@ -143,11 +143,11 @@ def joined_run(rank: int, world_size: int, layers: Layers, path: str, steps: int
 
 def given_server_run(rank: int, world_size: int, layers: Layers, path: str, steps: int, dtype: torch.dtype,
                      settings: dict | None = None, resume_at: int | None = None, server: dict | None = None,
-                     scale: float = 1.0) -> dict:
+                     scale: float = 1.0, chunk_bytes: int | None = None) -> dict:
     """``steps`` steps of :class:`Given` (parameters from zero) under a ``ServerOptimizer`` (plain SGD at
     lr 1 unless ``server`` says otherwise, so the parameters are minus the sum of the applied averages) with ``path`` forced on every layer
     and named by ``compression=`` (``settings``), its gradients times ``scale``; ``server``: more
-    ``ServerOptimizer`` options. Per step
+    ``ServerOptimizer`` options; ``chunk_bytes``: the shards' chunks (the wrapper's default if None). Per step
     the parameters after ``step()``, the outcomes and bytes by path; the consistency state at the end.
     With ``resume_at``: after that many steps the model and the consistency state are saved, the wrapper
     closed, and a fresh model (other values), wrapper and optimizer load them and train on."""
@@ -159,7 +159,8 @@ def given_server_run(rank: int, world_size: int, layers: Layers, path: str, step
             model.load_state_dict(state["model"])
         overrides = {layer: path for layer in (f"layers.{i}" for i in range(len(layers)))}
         wrapped = PoseidonDDP(model, fusion_bytes=0, overrides=overrides, timeout=60,
-                              compression={path_class(path).option: settings or {}})
+                              compression={path_class(path).option: settings or {}},
+                              **({} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}))
         optimizer = ServerOptimizer(wrapped, torch.optim.SGD, **{"lr": 1.0, **(server or {})})
         if state is not None:
             wrapped.load_consistency_state_dict(state["consistency"])

@@ -21,6 +21,7 @@ from poseidon_torch.fc import FCLayer, fc_spec
 from poseidon_torch.link import LinkModel
 from poseidon_torch.paths import BucketCost, Paths, PathEnv, compression_option, default_name, path_class
 from poseidon_torch.paths.powersgd import initial_q
+from poseidon_torch.paths.ps import DEFAULT_CHUNK_BYTES, plan_chunks
 from poseidon_torch.simulate import Job, LayerProfile, Profile, bsp
 
 #: a linear layer, a conv layer (out 6, in 3 x 3 x 3: compressed as 6 x 27) and a layer of vectors
@@ -476,6 +477,68 @@ def test_powersgd_pushes_equal_the_single_process_algorithm(cluster):
             torch.testing.assert_close(kept.get(name, torch.zeros_like(value)), value, rtol=1e-9, atol=1e-10)
 
 
+def int8_push_reference(layers: cw.Layers, world_size: int, steps: int, block: int, chunk_bytes: int
+                        ) -> list[dict]:
+    """Int8 pushes in one process, one parameter per layer (its own bucket, two flags after it), SGD at lr
+    1 from zero: step 0 on the exact default path; then every rank cuts M = gradient + residual into the
+    shards' chunks (``plan_chunks``, the default path's), each into blocks of ``block`` from its own start,
+    quantizes them (``int8_round_trip``), and the owner steps from the sum over the ranks in rank order of
+    the dequantized parts, divided by P (not quantized again). Per step the parameters."""
+    names = cw.names(layers)
+    residual = [dict.fromkeys(names, 0.0) for _ in range(world_size)]
+    params = {name: torch.zeros(()) for name in names}
+    after = []
+    for t in range(steps):
+        per_rank = [cw.gradients(layers, w, t, torch.float32) for w in range(world_size)]
+        for i, name in enumerate(names):
+            ms = [per_rank[w][i].reshape(-1) + residual[w][name] for w in range(world_size)]
+            n = ms[0].numel()
+            chunks = plan_chunks([n + 2], [4], world_size, chunk_bytes)[0]
+            sent = [torch.cat([int8_round_trip(m[c.start:min(c.stop, n)], block) for c in chunks if c.start < n])
+                    for m in ms] if t else ms
+            total = sent[0].clone()
+            for part in sent[1:]:
+                total += part
+            params[name] = params[name] - (total / world_size).view(per_rank[0][i].shape)
+            if t:
+                for w in range(world_size):
+                    residual[w][name] = ms[w] - sent[w]
+        after.append(dict(params))
+    return after
+
+
+@pytest.mark.parametrize("layers, block, chunk_bytes", [
+    ((((16, 24),), ((30,),), ((300, 200),)), 256, None),
+    ((((16, 24),), ((30,),), ((300, 200),)), 7, None),
+    ((((15, 24),), ((30,),)), 7, 64)], ids=["B256", "B7", "B7-chunks-of-16"])
+def test_int8_pushes_equal_the_single_process_algorithm(cluster, layers, block, chunk_bytes):
+    """A ServerOptimizer (BSP, SGD) with INT8 pushes straight to the shards: every rank's parameters after
+    every step are the single-process algorithm's, bit for bit, blocks cut from each shard's chunk's
+    start (the 300 x 200 layer is cut into chunks that different ranks own; chunks of 16 elements cut a
+    layer into 2 or 23, dealt over every rank, each ending in a part of a block, the last one's gradients
+    followed by the flags)."""
+    P = cluster.world_size
+    results = cluster.run(cw.given_server_run, layers, "INT8", 3, torch.float32, {"start_iter": 1, "block": block},
+                          None, None, 1.0, chunk_bytes)
+    assert_ran(results, "INT8", 3)
+    after = int8_push_reference(layers, P, 3, block, chunk_bytes or DEFAULT_CHUNK_BYTES)
+    for w, result in enumerate(results):
+        for step, expected in enumerate(after):
+            for name, value in expected.items():
+                assert torch.equal(result["params"][step][name], value), (w, step, name)
+
+
+def test_int8_pushes_over_small_chunks_lose_nothing(cluster):
+    """Chunks of 4 elements (fp64): every shard owns blocks of 4 or fewer, and two of LAYERS' buckets end
+    in a chunk of flags alone, which has no blocks to push (those buckets sync whole, then the owners
+    step): the sum of the applied averages plus the mean residual is the sum of the true averages, and
+    every rank holds the same parameters after every step."""
+    results = cluster.run(cw.given_server_run, LAYERS, "INT8", STEPS, torch.float64, {"start_iter": 1}, None, None,
+                          1.0, 32)
+    assert_ran(results, "INT8", STEPS)
+    assert_server_run_lost_nothing(results, LAYERS, "INT8")
+
+
 @pytest.mark.parametrize("path", ["PowerSGD", "BF16", "INT8"])
 def test_compressed_pushes_lose_nothing(cluster, path):
     """Error feedback through the parameter server (fp64): minus the parameters (the sum of the applied
@@ -483,12 +546,19 @@ def test_compressed_pushes_lose_nothing(cluster, path):
     parameters after every step."""
     results = cluster.run(cw.given_server_run, SERVER_LAYERS, path, STEPS, torch.float64, settings_of(path))
     assert_ran(results, path, STEPS)
+    assert_server_run_lost_nothing(results, SERVER_LAYERS, path)
+
+
+def assert_server_run_lost_nothing(results: list[dict], layers: cw.Layers, path: str) -> None:
+    """Every rank holds the same parameters after every step, and minus the last ones (the sum of the
+    applied averages, SGD at lr 1 from zero) plus the mean of the residuals is the sum of the true
+    averages (fp64)."""
     for step in range(STEPS):
         for name, value in results[0]["params"][step].items():
             assert all(torch.equal(other["params"][step][name], value) for other in results[1:]), (step, name)
     P = len(results)
-    for i, name in enumerate(cw.names(SERVER_LAYERS)):
-        true = sum(mean([cw.gradients(SERVER_LAYERS, r, t, torch.float64)[i] for r in range(P)])
+    for i, name in enumerate(cw.names(layers)):
+        true = sum(mean([cw.gradients(layers, r, t, torch.float64)[i] for r in range(P)])
                    for t in range(STEPS))
         kept = [result["state"]["paths"][path]["residual"].get(name) for result in results]
         left = mean([torch.zeros_like(true) if k is None else k for k in kept])
@@ -496,17 +566,24 @@ def test_compressed_pushes_lose_nothing(cluster, path):
                                    msg=lambda m: f"{path} {name}: {m}")
 
 
-def test_bf16_pushes_send_half_the_push_and_pull_the_values_exactly(cluster):
+#: bytes one rank pushes of a chunk of n gradients and its flags to the chunk's owner, by path
+PUSHED = {"BF16": lambda n, flags: 2 * (n + flags) + 2 * flags,  # the chunk, flags too, and the flags again
+          "INT8": lambda n, flags: n + 4 * -(-n // 256) + 4 * flags}  # values, a scale per started block, flags
+
+
+@pytest.mark.parametrize("path", ["BF16", "INT8"])
+def test_compressed_pushes_send_less_and_pull_the_values_exactly(cluster, path):
     """Over all ranks, one bucket (one chunk) per layer: on the exact path step 0 sends the fp32 push,
-    the flags to the owner and the fp32 pull; BF16 pushes send the same in bf16 but the pull, still fp32."""
+    the flags to the owner and the fp32 pull; BF16 pushes the chunk in bf16 (half), INT8 its int8 values
+    and fp32 scales (about a quarter) and the flags in fp32; both pull the values in fp32, as step 0."""
     P, layers = cluster.world_size, (((64, 40),), ((30,), (30,)))
-    results = cluster.run(cw.given_server_run, layers, "BF16", 2, torch.float32, {"start_iter": 1})
-    assert_ran(results, "BF16", 2)
+    results = cluster.run(cw.given_server_run, layers, path, 2, torch.float32, {"start_iter": 1})
+    assert_ran(results, path, 2)
     sizes = [(sum(torch.Size(shape).numel() for shape in shapes), len(shapes) + 1) for shapes in layers]
-    on_ps, on_bf16 = (sum(result["by_path"][step].get(path, 0) for result in results) for step, path in
-                      ((0, "PS"), (1, "BF16")))
+    on_ps, on_path = (sum(result["by_path"][step].get(name, 0) for result in results) for step, name in
+                      ((0, "PS"), (1, path)))
     assert on_ps == sum((P - 1) * 4 * (2 * (n + flags) + flags) for n, flags in sizes)
-    assert on_bf16 == sum((P - 1) * (2 * (n + flags) + 2 * flags + 4 * (n + flags)) for n, flags in sizes)
+    assert on_path == sum((P - 1) * (PUSHED[path](n, flags) + 4 * (n + flags)) for n, flags in sizes)
 
 
 @pytest.mark.parametrize("path", ["PowerSGD", "BF16"])
@@ -785,21 +862,22 @@ def test_powersgd_compresses_where_its_calibrated_compute_pays():
 
 def test_a_server_optimizer_costs_each_path_with_the_pull_of_the_values():
     """With the update at the owners, the exact path's prediction is its own sync (push, then the pull of
-    the values); BF16 pushes half the push's bytes and pulls the values in fp32; INT8 and PowerSGD sync
-    as they do and add the pull: the bytes of the plan's rows, per rank, for a 1024 x 1024 layer at
-    P = 2 over 0.1 Gbit/s, where each compressed path is chosen."""
+    the values); BF16 and INT8 push half their own sync's bytes (its push) and pull the values in fp32;
+    PowerSGD syncs as it does and adds the pull: the bytes of the plan's rows, per rank, for a 1024 x 1024
+    layer at P = 2 over 0.1 Gbit/s, where each compressed path is chosen."""
     layers = model_of((((1024, 1024),),))
     n = flat_numel(1024 * 1024, 1)
     link = LinkModel.from_gbps(0.1)
     pull = 1024 * 1024 * 4 / 2  # (P - 1) / P of the values
     expected = {"PS": n * 4, "BF16": n * 2 / 2 + pull, "INT8": None, "PowerSGD": None}
+    pushed = {"BF16": 0.5, "INT8": 0.5, "PowerSGD": 1.0}  #: of the path's own sync, before the pull
     for lossy, path in (("bf16", "BF16"), ("int8", "INT8"), ("powersgd", "PowerSGD")):
         plain = plan_of(layers, 2, link, (lossy,)).rows[0].predictions
         served = plan_of(layers, 2, link, (lossy,), pull_values=True)
         assert served.layer_paths() == {"layers.0": path}
         row = served.rows[0].predictions
         assert row["PS"][0] == pytest.approx(expected["PS"]) == plain["PS"][0]
-        assert row[path][0] == pytest.approx(expected[path] or plain[path][0] + pull), (path, row[path], plain[path])
+        assert row[path][0] == pytest.approx(expected[path] or plain[path][0] * pushed[path] + pull), (path, row[path])
 
 
 @pytest.mark.parametrize("lossy, path", [("int8", "INT8"), ("powersgd", "PowerSGD")])

@@ -20,9 +20,19 @@ zeros), and P ranks:
 A value that is not finite makes its block's scale inf or NaN, so the average is not finite there on
 every rank: GradScaler skips the step and the residuals stay (nothing saturates, unlike the fp16 cast).
 
+With a BSP ``ServerOptimizer`` (:meth:`Int8Path.reduce`, composed with the update at the owners,
+``update.py``): the push alone, straight to the shards. Each of the default path's chunks (the shards'
+own) is cut into blocks from its own start; every rank pushes each chunk's values and scales to its
+owner and its flags to every owner; the owner steps from the sum over the ranks, in rank order, of
+the dequantized parts, divided by P, not quantized again (the new values are pulled exactly, in the
+model's dtype). Each rank's new residual is M - deq(quant(M)) (no rounding at the owner to keep). A
+bucket one of whose chunks holds flags alone (thousands of parameters, or tiny ``chunk_bytes``) has no
+blocks there to push: it syncs whole (the average on every rank) and the owners step from that.
+
 Bytes one rank sends: those of the PS path for n + 4 ceil(n / B) bytes (n elements, fp32 scales; the
 last block's padding is not sent), plus the flags: 2 (P-1)/P of that, about a quarter of an fp32
-bucket's. Compute: a dozen passes over the bucket in memory (the
+bucket's; pushed to the shards, half of that (a scale per started block of each chunk), then the
+pull of the values in the model's dtype. Compute: a dozen passes over the bucket in memory (the
 residual added, the block maxima, the division and rounding, the new residual; at the owner the
 dequantized sum and its quantization; the dequantized average), costed as
 :attr:`~Int8Path.bytes_per_element` bytes per fp32 element at the probed memory bandwidth: a calibration, not a count (on the 2-core CI
@@ -45,8 +55,8 @@ from torch import Tensor
 from ..bucket import Bucket
 from ..link import LinkModel
 from ..pools import ChannelGroups
-from .base import BucketCost, PathEnv, Prediction, SyncContext
-from .lossy import LossyPath, add_owner_rounding
+from .base import AtOwners, BucketCost, PathEnv, Prediction, SyncContext
+from .lossy import LossyPath, add_owner_rounding, pushed_then_pulled
 from .ps import Chunk, Schedule, build_schedule, plan_chunks, predict_ps, run_messages
 
 #: the largest magnitude of a quantized value
@@ -82,6 +92,35 @@ class Wire:
         return self.of_values.bytes_sent + self.of_side.bytes_sent
 
 
+@dataclass(frozen=True)
+class Span:
+    """One shard's chunk of a bucket's gradients in an int8 push: where it starts in the bucket, its
+    elements, and its first block in the push's values (each chunk's blocks start at its own start)."""
+
+    start: int
+    numel: int
+    first_block: int
+    owner: int
+
+
+@dataclass
+class Push:
+    """A bucket's int8 push to the shards (:meth:`Int8Path.reduce`): the values (each of the default path's
+    chunks cut into whole blocks from its own start), the scales then the flags (``side``), the chunks'
+    spans, and the push schedule of each buffer (the flags to every owner)."""
+
+    values: Tensor
+    side: Tensor
+    blocks: int
+    spans: list[Span]
+    of_values: Schedule
+    of_side: Schedule
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.of_values.bytes_sent - self.of_values.pull_bytes + self.of_side.bytes_sent - self.of_side.pull_bytes
+
+
 class Int8Path(LossyPath):
     """The bucket sent as int8 with a scale per block, through the chunk owners, with error feedback at
     both ends."""
@@ -98,6 +137,8 @@ class Int8Path(LossyPath):
         self.block: int = self.settings["block"]
         self._chunks: dict[int, list[Chunk]] = {}  #: id(bucket) -> its chunks, in blocks
         self._wires: dict[int, Wire] = {}  #: id(bucket) -> its wire, from its first sync on
+        #: id(bucket) -> its push to the shards, from its first reduce on (None: a chunk holds flags alone)
+        self._pushes: dict[int, Push | None] = {}
 
     def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
                 memory_bps: float | None = None) -> Prediction | None:
@@ -121,7 +162,12 @@ class Int8Path(LossyPath):
         block_bytes = self.block + 4
         plan = plan_chunks(blocks, [block_bytes] * len(buckets), self.world_size, max(self.env.chunk_bytes, block_bytes))
         self._chunks = {id(bucket): chunks for bucket, chunks in zip(buckets, plan)}
-        self._wires = {}
+        self._wires, self._pushes = {}, {}
+
+    def predict_update(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
+                       memory_bps: float | None, pull: Prediction) -> Prediction | None:
+        """:meth:`reduce` is the push alone: half a sync's bytes and rounds."""
+        return pushed_then_pulled(self.predict(cost, world_size, link, gemm_flops, memory_bps), world_size, link, pull)
 
     def _wire_of(self, bucket: Bucket) -> Wire:
         wire = self._wires.get(id(bucket))
@@ -143,6 +189,76 @@ class Int8Path(LossyPath):
                        for c in chunks]
         return Wire(values, side, blocks, build_schedule(values, values.numel(), value_chunks, self.rank, self.world_size),
                     build_schedule(side, side.numel(), side_chunks, self.rank, self.world_size))
+
+    def _push_of(self, bucket: Bucket) -> Push | None:
+        if id(bucket) not in self._pushes:
+            self._pushes[id(bucket)] = self._new_push(bucket)
+        return self._pushes[id(bucket)]
+
+    def _new_push(self, bucket: Bucket) -> Push | None:
+        """The buffers and schedules of ``bucket``'s push over the default path's chunks (the shards' own):
+        chunk i's gradients as blocks from its own start (its last block's padding stays home) under tag
+        i, their scales under tag i + chunks + 1, and the flags to every owner (tag chunks). None where a
+        chunk holds flags alone (a bucket of thousands of parameters): it has no blocks to push."""
+        chunks, block, n = self.env.default.chunks_of(bucket), self.block, bucket.grad_numel
+        spans, blocks = [], 0
+        for chunk in chunks:
+            numel = min(chunk.stop, n) - chunk.start
+            if numel <= 0:
+                return None
+            spans.append(Span(chunk.start, numel, blocks, chunk.owner))
+            blocks += -(-numel // block)
+        device, flags = bucket.flat.device, bucket.flat.numel() - n
+        values = torch.zeros(blocks * block, dtype=torch.int8, device=device)
+        side = torch.zeros(blocks + flags, dtype=self.compute_dtype(bucket.dtype), device=device)
+        value_chunks = [Chunk(s.first_block * block, s.first_block * block + s.numel, c.owner, c.tag)
+                        for s, c in zip(spans, chunks)]
+        side_chunks = [Chunk(s.first_block, s.first_block + -(-s.numel // block), c.owner, c.tag + len(chunks) + 1)
+                       for s, c in zip(spans, chunks)]
+        return Push(values, side, blocks, spans,
+                    build_schedule(values, values.numel(), value_chunks, self.rank, self.world_size),
+                    build_schedule(side, blocks, side_chunks, self.rank, self.world_size, True))
+
+    def reduce(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, AtOwners | None]:
+        """Compressed pushes to the parameter server: every rank quantizes M chunk by chunk of the default
+        path's (the shards' own, each cut into blocks from its own start) and pushes each chunk's values
+        and scales to its owner, its flags to every owner; each owner dequantizes the ranks' parts, sums
+        them in rank order and divides by P into the bucket's flat buffer: the average the owner steps
+        from, not quantized again (the new values are pulled exactly). The rank's new residual is what its
+        quantization dropped. A bucket a chunk of which holds flags alone syncs whole instead (the
+        average on every rank, then the owners step)."""
+        push = self._push_of(bucket)
+        if push is None:
+            return (yield from super().reduce(bucket, groups, ctx))
+        n, size, block = bucket.grad_numel, groups.size, self.block
+        yield "compress"
+        m = self.with_residuals(bucket, ctx)
+        padded = m.new_zeros(push.values.numel())
+        for span in push.spans:
+            padded[span.first_block * block:][:span.numel] = m[span.start:span.start + span.numel]
+        quantize(padded.view(push.blocks, block), push.values.view(push.blocks, block), push.side[:push.blocks])
+        sent = dequantize(push.values.view(push.blocks, block), push.side[:push.blocks]).view(-1)
+        for span in push.spans:
+            m[span.start:span.start + span.numel] -= sent[span.first_block * block:][:span.numel]
+        push.side[push.blocks:].copy_(bucket.flat[n:])
+        yield "network"
+        for values, side in zip(push.of_values.push, push.of_side.push):
+            run_messages(values + side, groups)
+        owned = [span for span in push.spans if span.owner == self.rank]
+        for span, (own, parts), (_, side_parts) in zip(owned, push.of_values.aggregate, push.of_side.aggregate):
+            blocks = -(-span.numel // block)
+            mean = _dequantized_sum(parts, [side[:blocks] for side in side_parts], blocks, block).div_(size)
+            bucket.flat[span.start:span.start + span.numel].copy_(mean.view(-1)[:span.numel])
+        flags = push.of_side.flags
+        total = None
+        if flags:
+            total = torch.stack(flags).sum(dim=0)
+            bucket.flat[n:].copy_(total / size)
+        bucket.bytes_sent = push.bytes_sent
+        bucket.outcome = self.name
+        for p, residual in bucket.views(m):
+            self.propose(bucket, p, residual)
+        return AtOwners(total)
 
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, bool]:
         wire, n, size = self._wire_of(bucket), bucket.grad_numel, groups.size
@@ -177,11 +293,7 @@ class Int8Path(LossyPath):
         quantization of the mean lost, flat (the last chunk's parts end where the bucket does: their
         last block is padded with zeros here)."""
         blocks = -(-own.numel() // self.block)
-        total = None
-        for part, side in zip(parts, side_parts):
-            value = dequantize(_whole_blocks(part, blocks, self.block), side[:blocks])
-            total = value if total is None else total.add_(value)
-        mean = total.div_(size)
+        mean = _dequantized_sum(parts, [side[:blocks] for side in side_parts], blocks, self.block).div_(size)
         quantized = _whole_blocks(own, blocks, self.block)
         quantize(mean, quantized, side_own[:blocks])
         own.copy_(quantized.view(-1)[:own.numel()])
@@ -189,6 +301,16 @@ class Int8Path(LossyPath):
         if flags[0].numel():
             side_own[blocks:].copy_(torch.stack(flags).sum(dim=0).div_(size))
         return mean.sub_(dequantize(quantized, side_own[:blocks])).view(-1)
+
+
+def _dequantized_sum(parts: Sequence[Tensor], scales: Sequence[Tensor], blocks: int, block: int) -> Tensor:
+    """The sum, in rank order, of every rank's part of a chunk (int8, flat) dequantized with its
+    ``scales``: ``blocks`` rows of ``block``, in the scales' dtype."""
+    total = None
+    for part, scale in zip(parts, scales):
+        value = dequantize(_whole_blocks(part, blocks, block), scale)
+        total = value if total is None else total.add_(value)
+    return total
 
 
 def _whole_blocks(values: Tensor, blocks: int, block: int) -> Tensor:

@@ -40,7 +40,8 @@ import torch
 from torch import Tensor, nn
 
 from ..bucket import Bucket
-from .base import GradWriter, Path, PathEnv, SyncContext
+from ..link import LinkModel
+from .base import GradWriter, Path, PathEnv, Prediction, SyncContext
 
 
 def all_finite(tensor: Tensor) -> bool:
@@ -231,6 +232,17 @@ def applied_params(bucket: Bucket, applied: bool) -> set[int]:
     if not applied or not all_finite(bucket.flat[:bucket.grad_numel]):
         return set()
     return {id(p) for used, p in zip(bucket.used_anywhere.tolist(), bucket.params) if used}
+
+
+def pushed_then_pulled(sync: Prediction | None, world_size: int, link: LinkModel, pull: Prediction
+                       ) -> Prediction | None:
+    """A lossy sync the parameter-server way (``sync``: push, aggregate, pull) cut after the push, then the
+    owners' ``pull`` of the new values: the push is half the sync's bytes and rounds."""
+    if sync is None:
+        return None
+    pushed = sync.bytes / 2
+    seconds = link.seconds(pushed, world_size - 1) + pull.seconds + sync.compute_s
+    return Prediction(pushed + pull.bytes, seconds, sync.compute_s)
 
 
 def add_owner_rounding(residuals: Tensor, owned: Sequence[tuple[Tensor, list[Tensor]]], buffer: Tensor,

@@ -47,7 +47,7 @@ from ..bucket import Bucket
 from ..link import LinkModel
 from ..pools import ChannelGroups
 from .base import AtOwners, BucketCost, PathEnv, Prediction, SyncContext
-from .lossy import LossyPath, add_owner_rounding
+from .lossy import LossyPath, add_owner_rounding, pushed_then_pulled
 from .ps import Chunk, Schedule, build_schedule, plan_chunks, predict_ps, run_messages
 
 
@@ -88,12 +88,7 @@ class CastPath(LossyPath):
     def predict_update(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
                        memory_bps: float | None, pull: Prediction) -> Prediction | None:
         """:meth:`reduce` is the push alone, in the wire dtype: half a sync's bytes and rounds."""
-        predicted = self.predict(cost, world_size, link, gemm_flops, memory_bps)
-        if predicted is None:
-            return None
-        pushed = predicted.bytes / 2
-        seconds = link.seconds(pushed, world_size - 1) + pull.seconds + predicted.compute_s
-        return Prediction(pushed + pull.bytes, seconds, predicted.compute_s)
+        return pushed_then_pulled(self.predict(cost, world_size, link, gemm_flops, memory_bps), world_size, link, pull)
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
         """Plan the chunks of every bucket's wire buffer (at most ``chunk_bytes`` of the wire dtype each,
