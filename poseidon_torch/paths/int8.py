@@ -25,9 +25,11 @@ With a BSP ``ServerOptimizer`` (:meth:`Int8Path.reduce`, composed with the updat
 own) is cut into blocks from its own start; every rank pushes each chunk's values and scales to its
 owner and its flags to every owner; the owner steps from the sum over the ranks, in rank order, of
 the dequantized parts, divided by P, not quantized again (the new values are pulled exactly, in the
-model's dtype). Each rank's new residual is M - deq(quant(M)) (no rounding at the owner to keep). A
-bucket one of whose chunks holds flags alone (thousands of parameters, or tiny ``chunk_bytes``) has no
-blocks there to push: it syncs whole (the average on every rank) and the owners step from that.
+model's dtype). Each rank's new residual is M - deq(quant(M)); the owner's mean is not quantized, so
+there is no owner's rounding to keep, but a half-precision model's mean is rounded into its dtype,
+as on the exact path, and that rounding is not fed back. A bucket one of whose chunks holds flags
+alone (thousands of parameters, or tiny ``chunk_bytes``) has no blocks there to push: it syncs whole
+(the average on every rank) and the owners step from that; the coordinator still costs it as a push.
 
 Bytes one rank sends: those of the PS path for n + 4 ceil(n / B) bytes (n elements, fp32 scales; the
 last block's padding is not sent), plus the flags: 2 (P-1)/P of that, about a quarter of an fp32
