@@ -232,35 +232,46 @@ class Int8Path(LossyPath):
         push = self._push_of(bucket)
         if push is None:
             return (yield from super().reduce(bucket, groups, ctx))
-        n, size, block = bucket.grad_numel, groups.size, self.block
         yield "compress"
         m = self.with_residuals(bucket, ctx)
-        padded = m.new_zeros(push.values.numel())
-        for span in push.spans:
-            padded[span.first_block * block:][:span.numel] = m[span.start:span.start + span.numel]
-        quantize(padded.view(push.blocks, block), push.values.view(push.blocks, block), push.side[:push.blocks])
-        sent = dequantize(push.values.view(push.blocks, block), push.side[:push.blocks]).view(-1)
-        for span in push.spans:
-            m[span.start:span.start + span.numel] -= sent[span.first_block * block:][:span.numel]
-        push.side[push.blocks:].copy_(bucket.flat[n:])
+        self._quantize_chunks(push, m)
+        push.side[push.blocks:].copy_(bucket.flat[bucket.grad_numel:])
         yield "network"
         for values, side in zip(push.of_values.push, push.of_side.push):
             run_messages(values + side, groups)
-        owned = [span for span in push.spans if span.owner == self.rank]
-        for span, (own, parts), (_, side_parts) in zip(owned, push.of_values.aggregate, push.of_side.aggregate):
-            blocks = -(-span.numel // block)
-            mean = _dequantized_sum(parts, [side[:blocks] for side in side_parts], blocks, block).div_(size)
-            bucket.flat[span.start:span.start + span.numel].copy_(mean.view(-1)[:span.numel])
-        flags = push.of_side.flags
-        total = None
-        if flags:
-            total = torch.stack(flags).sum(dim=0)
-            bucket.flat[n:].copy_(total / size)
+        flags = self._average_at_owner(push, bucket, groups.size)
         bucket.bytes_sent = push.bytes_sent
         bucket.outcome = self.name
         for p, residual in bucket.views(m):
             self.propose(bucket, p, residual)
-        return AtOwners(total)
+        return AtOwners(flags)
+
+    def _quantize_chunks(self, push: Push, m: Tensor) -> None:
+        """M (flat, the bucket's gradients) quantized chunk by chunk into the push's values and scales; what
+        the quantization dropped left in ``m`` (the new residuals)."""
+        block, values, scales = self.block, push.values.view(push.blocks, self.block), push.side[:push.blocks]
+        padded = m.new_zeros(push.values.numel())
+        for span in push.spans:
+            padded[span.first_block * block:][:span.numel] = m[span.start:span.start + span.numel]
+        quantize(padded.view(push.blocks, block), values, scales)
+        sent = dequantize(values, scales).view(-1)
+        for span in push.spans:
+            m[span.start:span.start + span.numel] -= sent[span.first_block * block:][:span.numel]
+
+    def _average_at_owner(self, push: Push, bucket: Bucket, size: int) -> Tensor | None:
+        """After the push, on an owner: each owned chunk's mean of the ranks' dequantized parts (summed in
+        rank order) into the bucket's flat buffer, and the flags' mean after them; the sum of every rank's
+        flags (None on a rank that owns no chunk)."""
+        owned = [span for span in push.spans if span.owner == self.rank]
+        for span, (_, parts), (_, side_parts) in zip(owned, push.of_values.aggregate, push.of_side.aggregate):
+            blocks = -(-span.numel // self.block)
+            mean = _dequantized_sum(parts, [side[:blocks] for side in side_parts], blocks, self.block).div_(size)
+            bucket.flat[span.start:span.start + span.numel].copy_(mean.view(-1)[:span.numel])
+        if not push.of_side.flags:
+            return None
+        total = torch.stack(push.of_side.flags).sum(dim=0)
+        bucket.flat[bucket.grad_numel:].copy_(total / size)
+        return total
 
     def sync(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, bool]:
         wire, n, size = self._wire_of(bucket), bucket.grad_numel, groups.size
