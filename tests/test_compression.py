@@ -510,13 +510,13 @@ def int8_push_reference(layers: cw.Layers, world_size: int, steps: int, block: i
 @pytest.mark.parametrize("layers, block, chunk_bytes", [
     ((((16, 24),), ((30,),), ((300, 200),)), 256, None),
     ((((16, 24),), ((30,),), ((300, 200),)), 7, None),
-    ((((15, 24),), ((30,),)), 7, 64)], ids=["B256", "B7", "B7-chunks-of-16"])
+    ((((16, 24),), ((15, 24),), ((30,),)), 7, 64)], ids=["B256", "B7", "B7-chunks-of-16"])
 def test_int8_pushes_equal_the_single_process_algorithm(cluster, layers, block, chunk_bytes):
     """A ServerOptimizer (BSP, SGD) with INT8 pushes straight to the shards: every rank's parameters after
     every step are the single-process algorithm's, bit for bit, blocks cut from each shard's chunk's
     start (the 300 x 200 layer is cut into chunks that different ranks own; chunks of 16 elements cut a
-    layer into 2 or 23, dealt over every rank, each ending in a part of a block, the last one's gradients
-    followed by the flags)."""
+    layer into 2 to 25, dealt over every rank, each ending in a part of a block; the 16 x 24 layer's
+    gradients fill 24 chunks, so its 25th holds the flags alone, whose owner gets no blocks)."""
     P = cluster.world_size
     results = cluster.run(cw.given_server_run, layers, "INT8", 3, torch.float32, {"start_iter": 1, "block": block},
                           None, None, 1.0, chunk_bytes)
@@ -530,9 +530,8 @@ def test_int8_pushes_equal_the_single_process_algorithm(cluster, layers, block, 
 
 def test_int8_pushes_over_small_chunks_lose_nothing(cluster):
     """Chunks of 4 elements (fp64): every shard owns blocks of 4 or fewer, and two of LAYERS' buckets end
-    in a chunk of flags alone, which has no blocks to push (those buckets sync whole, then the owners
-    step): the sum of the applied averages plus the mean residual is the sum of the true averages, and
-    every rank holds the same parameters after every step."""
+    in a chunk of flags alone, which has no blocks to push: the sum of the applied averages plus the mean
+    residual is the sum of the true averages, and every rank holds the same parameters after every step."""
     results = cluster.run(cw.given_server_run, LAYERS, "INT8", STEPS, torch.float64, {"start_iter": 1}, None, None,
                           1.0, 32)
     assert_ran(results, "INT8", STEPS)

@@ -27,9 +27,8 @@ owner and its flags to every owner; the owner steps from the sum over the ranks,
 the dequantized parts, divided by P, not quantized again (the new values are pulled exactly, in the
 model's dtype). Each rank's new residual is M - deq(quant(M)); the owner's mean is not quantized, so
 there is no owner's rounding to keep, but a half-precision model's mean is rounded into its dtype,
-as on the exact path, and that rounding is not fed back. A bucket one of whose chunks holds flags
-alone (thousands of parameters, or tiny ``chunk_bytes``) has no blocks there to push: it syncs whole
-(the average on every rank) and the owners step from that; the coordinator still costs it as a push.
+as on the exact path, and that rounding is not fed back. A chunk of flags alone (a bucket whose
+gradients fill whole chunks, as a 2^k-element embedding does) has no blocks: its owner gets the flags.
 
 Bytes one rank sends: those of the PS path for n + 4 ceil(n / B) bytes (n elements, fp32 scales; the
 last block's padding is not sent), plus the flags: 2 (P-1)/P of that, about a quarter of an fp32
@@ -103,6 +102,7 @@ class Span:
     numel: int
     first_block: int
     owner: int
+    tag: int
 
 
 @dataclass
@@ -139,8 +139,8 @@ class Int8Path(LossyPath):
         self.block: int = self.settings["block"]
         self._chunks: dict[int, list[Chunk]] = {}  #: id(bucket) -> its chunks, in blocks
         self._wires: dict[int, Wire] = {}  #: id(bucket) -> its wire, from its first sync on
-        #: id(bucket) -> its push to the shards, from its first reduce on (None: a chunk holds flags alone)
-        self._pushes: dict[int, Push | None] = {}
+        #: id(bucket) -> its push to the shards, from its first reduce on
+        self._pushes: dict[int, Push] = {}
 
     def predict(self, cost: BucketCost, world_size: int, link: LinkModel, gemm_flops: float | None,
                 memory_bps: float | None = None) -> Prediction | None:
@@ -192,34 +192,35 @@ class Int8Path(LossyPath):
         return Wire(values, side, blocks, build_schedule(values, values.numel(), value_chunks, self.rank, self.world_size),
                     build_schedule(side, side.numel(), side_chunks, self.rank, self.world_size))
 
-    def _push_of(self, bucket: Bucket) -> Push | None:
-        if id(bucket) not in self._pushes:
-            self._pushes[id(bucket)] = self._new_push(bucket)
-        return self._pushes[id(bucket)]
+    def _push_of(self, bucket: Bucket) -> Push:
+        push = self._pushes.get(id(bucket))
+        if push is None:
+            push = self._pushes[id(bucket)] = self._new_push(bucket)
+        return push
 
-    def _new_push(self, bucket: Bucket) -> Push | None:
+    def _new_push(self, bucket: Bucket) -> Push:
         """The buffers and schedules of ``bucket``'s push over the default path's chunks (the shards' own):
         chunk i's gradients as blocks from its own start (its last block's padding stays home) under tag
-        i, their scales under tag i + chunks + 1, and the flags to every owner (tag chunks). None where a
-        chunk holds flags alone (a bucket of thousands of parameters): it has no blocks to push."""
+        i, their scales under tag i + chunks + 1, and the flags to every chunk's owner. A chunk of flags
+        alone (a bucket whose gradients fill whole chunks, as a 2^k-element embedding does) has no blocks:
+        its owner gets the flags only."""
         chunks, block, n = self.env.default.chunks_of(bucket), self.block, bucket.grad_numel
         spans, blocks = [], 0
         for chunk in chunks:
             numel = min(chunk.stop, n) - chunk.start
-            if numel <= 0:
-                return None
-            spans.append(Span(chunk.start, numel, blocks, chunk.owner))
-            blocks += -(-numel // block)
+            if numel > 0:
+                spans.append(Span(chunk.start, numel, blocks, chunk.owner, chunk.tag))
+                blocks += -(-numel // block)
         device, flags = bucket.flat.device, bucket.flat.numel() - n
         values = torch.zeros(blocks * block, dtype=torch.int8, device=device)
         side = torch.zeros(blocks + flags, dtype=self.compute_dtype(bucket.dtype), device=device)
-        value_chunks = [Chunk(s.first_block * block, s.first_block * block + s.numel, c.owner, c.tag)
-                        for s, c in zip(spans, chunks)]
-        side_chunks = [Chunk(s.first_block, s.first_block + -(-s.numel // block), c.owner, c.tag + len(chunks) + 1)
-                       for s, c in zip(spans, chunks)]
+        value_chunks = [Chunk(s.first_block * block, s.first_block * block + s.numel, s.owner, s.tag) for s in spans]
+        side_chunks = [Chunk(s.first_block, s.first_block + -(-s.numel // block), s.owner, s.tag + len(chunks) + 1)
+                       for s in spans]
+        owners = {c.owner for c in chunks}
         return Push(values, side, blocks, spans,
                     build_schedule(values, values.numel(), value_chunks, self.rank, self.world_size),
-                    build_schedule(side, blocks, side_chunks, self.rank, self.world_size, True))
+                    build_schedule(side, blocks, side_chunks, self.rank, self.world_size, True, owners))
 
     def reduce(self, bucket: Bucket, groups: ChannelGroups, ctx: SyncContext) -> Generator[str, None, AtOwners | None]:
         """Compressed pushes to the parameter server: every rank quantizes M chunk by chunk of the default
@@ -227,11 +228,8 @@ class Int8Path(LossyPath):
         and scales to its owner, its flags to every owner; each owner dequantizes the ranks' parts, sums
         them in rank order and divides by P into the bucket's flat buffer: the average the owner steps
         from, not quantized again (the new values are pulled exactly). The rank's new residual is what its
-        quantization dropped. A bucket a chunk of which holds flags alone syncs whole instead (the
-        average on every rank, then the owners step)."""
+        quantization dropped."""
         push = self._push_of(bucket)
-        if push is None:
-            return (yield from super().reduce(bucket, groups, ctx))
         yield "compress"
         m = self.with_residuals(bucket, ctx)
         self._quantize_chunks(push, m)

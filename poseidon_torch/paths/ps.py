@@ -31,7 +31,7 @@ one computed).
 """
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Collection, Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -249,13 +249,14 @@ class PSPath(Path):
 
 
 def build_schedule(flat: torch.Tensor, grad_numel: int, chunks: Sequence[Chunk], rank: int, size: int,
-                   flags_to_owners: bool = False) -> Schedule:
+                   flags_to_owners: bool = False, owners: Collection[int] | None = None) -> Schedule:
     """Every message and add of one sync of ``flat`` (gradients up to ``grad_numel``, then the flags)
-    cut into ``chunks``, for ``rank`` of ``size``: the views it sends, receives and sums, precomputed."""
+    cut into ``chunks``, for ``rank`` of ``size``: the views it sends, receives and sums, precomputed.
+    With ``flags_to_owners`` every rank's flags also go to ``owners`` (by default the chunks' owners)."""
     schedule = Schedule()
     inbox: dict[tuple[Chunk, int], torch.Tensor] = {}
     flags = flat[grad_numel:]
-    owners = {c.owner for c in chunks}
+    owners = {c.owner for c in chunks} if owners is None else set(owners)
     flag_tag = len(chunks)
     for shift in range(1, size):
         to, frm = (rank + shift) % size, (rank - shift) % size
