@@ -201,7 +201,8 @@ class Int8Path(LossyPath):
     def _new_push(self, bucket: Bucket) -> Push:
         """The buffers and schedules of ``bucket``'s push over the default path's chunks (the shards' own):
         chunk i's gradients as blocks from its own start (its last block's padding stays home) under tag
-        i, their scales under tag i + chunks + 1, and the flags to every chunk's owner. A chunk of flags
+        i, their scales under tag i + chunks + 1, and the flags to every chunk's owner (under the number of
+        chunks with blocks: ``build_schedule``'s flag tag, which no value or scale message uses). A chunk of flags
         alone (a bucket whose gradients fill whole chunks, as a 2^k-element embedding does) has no blocks:
         its owner gets the flags only."""
         chunks, block, n = self.env.default.chunks_of(bucket), self.block, bucket.grad_numel
